@@ -1,0 +1,38 @@
+"""zeroshard: ZeRO (Zero Redundancy Optimizer) data parallelism for PyTorch, stages 0-3.
+
+    engine = zeroshard.initialize(model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-4),
+                                  config={"zero_optimization": {"stage": 3}})
+    loss = loss_fn(engine(batch)); engine.backward(loss); engine.step()
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from .comm import Comm, ensure_process_group
+from .config import Config, ConfigError
+from .engine import Engine, ModelMismatchError
+from .memory import paper_model_state_bytes
+from .optim import OptimizerSpec
+
+__all__ = ["initialize", "Config", "ConfigError", "Engine", "ModelMismatchError", "paper_model_state_bytes"]
+__version__ = "0.1.0"
+
+
+def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
+               config: "Config | dict | str | os.PathLike | None" = None,
+               process_group: dist.ProcessGroup | None = None,
+               param_groups: list[dict] | None = None) -> Engine:
+    """Wrap `model` for ZeRO data parallelism over `process_group` (default: the world).
+
+    optimizer: a callable `params -> torch.optim.Optimizer`, an Optimizer class, or None to use the
+    config's DeepSpeed-style "optimizer" section. param_groups: optional torch-style groups over the
+    model's parameters (e.g. no weight decay for biases); each becomes its own set of flat shards.
+    Without a process group, one is started from torchrun's variables, or as a single process.
+    """
+    cfg = Config.load(config)
+    if process_group is None:
+        ensure_process_group()
+    return Engine(model, optimizer, cfg, Comm(process_group), param_groups)

@@ -1,0 +1,120 @@
+"""Collectives with accounting: the only module that calls torch.distributed collectives.
+
+Bytes follow the paper's convention, so totals compare directly with 2Ψ / 3Ψ: an all-reduce counts
+twice its tensor (it is a reduce-scatter plus an all-gather), an all-gather counts its full output, a
+reduce-scatter its full input, a broadcast its tensor. Counts are kept per step (the window between two
+`end_step()` calls) and in total; `outside_step()` keeps one-off traffic (set-up, exports) out of the
+per-step window so that step figures stay comparable with the formulas.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the flat-tensor collectives; keep working on the older names (torch >= 2.4).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Kind(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    bytes: int = 0
+
+
+def _fresh() -> dict[Kind, Counter]:
+    return {kind: Counter() for kind in Kind}
+
+
+def ensure_process_group(timeout_s: float = 600.0) -> None:
+    """Start the default process group if none exists: from torchrun's variables, else world size 1.
+
+    NCCL when CUDA is present, gloo otherwise. The timeout turns a rank that never arrives into an
+    error instead of a hang.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+class Comm:
+    """Collectives over one process group, counted by kind. Sums are divided by callers, not here."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.total = _fresh()
+        self.window = _fresh()
+        self.last_step = _fresh()
+        self._counting_step = True
+
+    def _count(self, kind: Kind, nbytes: int) -> None:
+        targets = [self.total, self.window] if self._counting_step else [self.total]
+        for table in targets:
+            table[kind].calls += 1
+            table[kind].bytes += nbytes
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over ranks, in place."""
+        self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * tensor.element_size())
+        dist.all_reduce(tensor, group=self.group)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """output = concatenation of every rank's `shard` (shard may alias its slice of output)."""
+        self._count(Kind.ALL_GATHER, output.numel() * output.element_size())
+        _all_gather_flat(output, shard, group=self.group)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        """output = this rank's slice of the sum over ranks of `full` (output may alias that slice)."""
+        self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
+        _reduce_scatter_flat(output, full, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
+        self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
+                       group=self.group)
+
+    def all_gather_objects(self, obj: object) -> list[object]:
+        """Pickled objects from every rank (set-up checks only: slow, not counted)."""
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def end_step(self) -> None:
+        self.last_step, self.window = self.window, _fresh()
+
+    @contextmanager
+    def outside_step(self) -> Iterator[None]:
+        previous, self._counting_step = self._counting_step, False
+        try:
+            yield
+        finally:
+            self._counting_step = previous
+
+    def stats(self) -> dict[str, dict[str, dict[str, int]]]:
+        def table(t: dict[Kind, Counter]) -> dict[str, dict[str, int]]:
+            return {k.value: {"calls": c.calls, "bytes": c.bytes} for k, c in t.items()}
+        return {"last_step": table(self.last_step), "total": table(self.total)}

@@ -1,0 +1,267 @@
+"""Config: DeepSpeed-compatible keys, validated up front with errors that name the key and the fix.
+
+A DeepSpeed user's JSON works as-is when it uses keys we implement. Every other key is refused by
+name: an unknown key (usually a typo) lists the accepted ones; a DeepSpeed key we have not built yet
+says so, so a config is never half-applied.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A config value zeroshard cannot honour; the message names the key and what is accepted."""
+
+
+# DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
+_NOT_IMPLEMENTED_TOP = {
+    "scheduler", "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+    "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
+    "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "aio", "data_types",
+    "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
+}
+_NOT_IMPLEMENTED_ZERO = {
+    "offload_optimizer", "offload_param", "cpu_offload", "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
+    "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
+    "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
+    "legacy_stage1", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+    "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
+    "log_trace_cache_warnings", "stage3_module_granularity_threshold",
+}
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop, "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adadelta": torch.optim.Adadelta,
+}
+
+
+@dataclass
+class ZeroConfig:
+    """`zero_optimization`: which model states are sharded, and communication granularity."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000      # max elements one gradient collective moves
+    allgather_bucket_size: int = 500_000_000   # max elements one parameter all-gather moves
+    stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
+    contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
+    overlap_comm: bool = False
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    """`optimizer`: a torch.optim class by DeepSpeed-style name, with its keyword arguments."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def build_class(self) -> Callable[..., torch.optim.Optimizer]:
+        return OPTIMIZERS[self.type.lower()]
+
+
+@dataclass
+class Config:
+    """A validated zeroshard configuration. Build it with `Config.load(dict | path | Config)`."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig | None = None
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 0                   # log a line every this many steps (0: never)
+    unit_modules: list[str] | None = None      # class names that become units; None: automatic
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage
+
+    @classmethod
+    def load(cls, source: "Config | dict | str | os.PathLike | None") -> "Config":
+        if source is None:
+            return cls()
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            return cls.from_dict(_read_json(os.fspath(source)))
+        if isinstance(source, dict):
+            return cls.from_dict(source)
+        raise ConfigError(f"config must be a dict, a path to a JSON file or a zeroshard.Config, "
+                          f"got {type(source).__name__}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        cfg = cls(raw=dict(raw))
+        for key, value in raw.items():
+            if key in _TOP_LEVEL:
+                _TOP_LEVEL[key](cfg, value)
+            elif key in _NOT_IMPLEMENTED_TOP:
+                raise ConfigError(f"config key '{key}' is a DeepSpeed key that zeroshard does not "
+                                  f"implement yet; remove it")
+            else:
+                raise ConfigError(f"unknown config key '{key}'; accepted top-level keys: "
+                                  f"{', '.join(sorted(_TOP_LEVEL))}")
+        return cfg
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """DeepSpeed's rule: train_batch_size = micro batch x accumulation steps x world size."""
+        tbs, micro, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if tbs is not None and micro is not None and tbs != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size={tbs} != train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={gas} x world size {world_size} (= {micro * gas * world_size}); "
+                f"fix one of them, or give only one of the two batch sizes")
+        if tbs is not None and micro is None and tbs % (gas * world_size):
+            raise ConfigError(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps={gas} "
+                              f"x world size {world_size}")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _as_int(key: str, value: Any, minimum: int) -> int:
+    # JSON configs write big sizes as 5e8: accept integral floats, refuse bools and fractions.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _as_dict(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key '{key}' must be an object, got {type(value).__name__}")
+    return value
+
+
+def _refuse_true(key: str, value: Any, why: str) -> None:
+    if _as_bool(key, value):
+        raise ConfigError(f"config key '{key}': true is not implemented yet ({why}); set it to false")
+
+
+def _zero(cfg: Config, value: Any) -> None:
+    z = cfg.zero
+    for key, v in _as_dict("zero_optimization", value).items():
+        name = f"zero_optimization.{key}"
+        if key == "stage":
+            z.stage = _as_int(name, v, 0)
+            if z.stage > 3:
+                raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
+        elif key in ("reduce_bucket_size", "allgather_bucket_size"):
+            setattr(z, key, _as_int(name, v, 1))
+        elif key == "stage3_param_persistence_threshold":
+            z.stage3_param_persistence_threshold = _as_int(name, v, 0)
+        elif key == "contiguous_gradients":
+            z.contiguous_gradients = _as_bool(name, v)
+        elif key == "overlap_comm":
+            _refuse_true(name, v, "communication is issued synchronously")
+        elif key in ("reduce_scatter", "allgather_partitions"):
+            if not _as_bool(name, v):
+                raise ConfigError(f"config key '{name}': false is not supported (it replaces the "
+                                  f"reduce-scatter/all-gather pair with more traffic); set it to true")
+        elif key in _NOT_IMPLEMENTED_ZERO:
+            raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not "
+                              f"implement yet; remove it")
+        else:
+            accepted = [f for f in ZeroConfig.__dataclass_fields__]
+            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+
+
+def _optimizer(cfg: Config, value: Any) -> None:
+    section = _as_dict("optimizer", value)
+    extra = set(section) - {"type", "params"}
+    if extra:
+        raise ConfigError(f"unknown config key(s) optimizer.{sorted(extra)[0]}; accepted: type, params")
+    kind = section.get("type")
+    if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
+        raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
+                          f"(case-insensitive), got {kind!r}")
+    cfg.optimizer = OptimizerConfig(kind, dict(_as_dict("optimizer.params", section.get("params", {}))))
+
+
+def _precision(name: str) -> Callable[[Config, Any], None]:
+    def apply(cfg: Config, value: Any) -> None:
+        for key, v in _as_dict(name, value).items():
+            if key != "enabled":
+                raise ConfigError(f"config key '{name}.{key}' is not implemented yet; remove it")
+            _refuse_true(f"{name}.enabled", v, "training runs in the parameters' own dtype")
+    return apply
+
+
+def _set_int(attr: str, minimum: int) -> Callable[[Config, Any], None]:
+    def apply(cfg: Config, value: Any) -> None:
+        setattr(cfg, attr, _as_int(attr, value, minimum))
+    return apply
+
+
+def _accumulation(cfg: Config, value: Any) -> None:
+    if _as_int("gradient_accumulation_steps", value, 1) != 1:
+        raise ConfigError("config key 'gradient_accumulation_steps' > 1 is not implemented yet; "
+                          "set it to 1 (or use engine.backward several times before engine.step)")
+
+
+def _clipping(cfg: Config, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0, got {value!r}")
+    if value > 0:
+        raise ConfigError("config key 'gradient_clipping' > 0 is not implemented yet; set it to 0")
+
+
+def _wall_clock(cfg: Config, value: Any) -> None:
+    _refuse_true("wall_clock_breakdown", value, "no timers are kept")
+
+
+def _zeroshard(cfg: Config, value: Any) -> None:
+    for key, v in _as_dict("zeroshard", value).items():
+        if key != "unit_modules":
+            raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: unit_modules")
+        if v == "auto":
+            cfg.unit_modules = None
+        elif isinstance(v, list) and v and all(isinstance(s, str) for s in v):
+            cfg.unit_modules = list(v)
+        else:
+            raise ConfigError(f"config key 'zeroshard.unit_modules' must be \"auto\" or a non-empty list "
+                              f"of module class names, got {v!r}")
+
+
+_TOP_LEVEL: dict[str, Callable[[Config, Any], None]] = {
+    "zero_optimization": _zero,
+    "optimizer": _optimizer,
+    "train_batch_size": _set_int("train_batch_size", 1),
+    "train_micro_batch_size_per_gpu": _set_int("train_micro_batch_size_per_gpu", 1),
+    "gradient_accumulation_steps": _accumulation,
+    "gradient_clipping": _clipping,
+    "steps_per_print": _set_int("steps_per_print", 0),
+    "wall_clock_breakdown": _wall_clock,
+    "fp16": _precision("fp16"),
+    "bf16": _precision("bf16"),
+    "zeroshard": _zeroshard,
+}

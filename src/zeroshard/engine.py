@@ -1,0 +1,219 @@
+"""Engine: wraps a module for ZeRO data parallelism. The stage is data (a StagePolicy), not code paths.
+
+One step, at every stage:
+  forward    stage 3 gathers each unit before use and frees it after (hooks in wrap.Unit);
+  backward   each parameter's gradient moves into its flat buffer as soon as it is accumulated;
+             stages 2-3 reduce-scatter a flat buffer the moment all its gradients are in;
+  step       stages 0-1 reduce now (all-reduce / reduce-scatter), the optimizer updates the flat
+             tensors it owns, stages 1-2 all-gather the updated parameters, gradients are cleared.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from .comm import Comm
+from .config import Config
+from .memory import optimizer_state_bytes, tensor_bytes
+from .optim import OptimizerSpec, build_optimizer, resolve_groups
+from .unit import Buckets, FlatParam, StagePolicy
+from .wrap import Unit, assign_params, find_units, install_grad_hooks
+
+logger = logging.getLogger("zeroshard")
+
+
+class ModelMismatchError(RuntimeError):
+    """Ranks built different models or configs: training them together would corrupt or hang."""
+
+
+class Engine:
+    """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones."""
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
+                 param_groups: list[dict] | None = None) -> None:
+        check_model(module)
+        config.check_batch_sizes(comm.world_size)
+        verify_same_on_every_rank(comm, module, config)
+        self.module, self.config, self.comm = module, config, comm
+        self.policy = StagePolicy.for_stage(config.stage)
+        options, group_of = resolve_groups(module, param_groups)
+        self.units = self._build_units(group_of)
+        self.flats = [f for u in self.units for f in u.flats]
+        self._state_dict_keys = list(module.state_dict().keys())
+        self._buffers = _persistent_buffers(module)
+        with torch.no_grad(), comm.outside_step():
+            for b in dict.fromkeys(module.buffers()):
+                comm.broadcast(b, 0)
+        groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
+                  for i, opts in enumerate(options)]
+        self.optimizer = build_optimizer(optimizer, config, [g for g in groups if g["params"]])
+        for unit in self.units:
+            install_grad_hooks(unit, self._on_grad)
+            if self.policy.shard_params:
+                unit.install_stage3_hooks()
+        self.global_steps = 0
+
+    def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
+        names = find_units(self.module, self.config.unit_modules)
+        zero = self.config.zero
+        buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        units = []
+        for name, named_params in assign_params(self.module, names).items():
+            by_group: dict[int, list] = {}
+            for names_and_param in named_params:  # frozen parameters get a buffer of their own (-1)
+                by_group.setdefault(group_of.get(id(names_and_param[1]), -1), []).append(names_and_param)
+            flats = []
+            for group, members in sorted(by_group.items()):
+                numel = sum(p.numel() for _, p in members)
+                flat = FlatParam(members, self.comm, self.policy, buckets, trainable=group >= 0,
+                                 persistent=numel <= zero.stage3_param_persistence_threshold,
+                                 group=group)
+                flats.append(flat)
+            if flats:
+                units.append(Unit(name, self.module.get_submodule(name), flats))
+        return units
+
+    # ---- the training step ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), then reduce every gradient buffer not yet reduced (stages 2-3)."""
+        if loss.numel() != 1:
+            raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        loss.backward()
+        self._finish_backward()
+
+    def _on_grad(self, unit: Unit, flat: FlatParam, param: nn.Parameter) -> None:
+        complete = flat.accumulate(param)
+        if complete and self.policy.shard_grads:
+            flat.reduce_grads()
+            if self.policy.shard_params and unit.free_when_reduced and unit.all_reduced():
+                unit.free()
+
+    def _finish_backward(self) -> None:
+        # Every rank reduces every trainable buffer exactly once per backward, in unit order: a
+        # buffer whose parameters got no gradient (unused this step) contributes zeros.
+        if self.policy.shard_grads:
+            for flat in self.flats:
+                if flat.trainable and not flat.reduced:
+                    flat.reduce_grads()
+                flat.reduced = False
+        if self.policy.shard_params:
+            for unit in self.units:
+                unit.free()
+
+    def step(self) -> None:
+        """Optimizer step on the owned flat tensors, parameters re-synchronised, gradients cleared."""
+        if any(f.reduced or (f.grad_full is not None and self.policy.shard_grads) for f in self.flats):
+            self._finish_backward()  # the user called loss.backward() instead of engine.backward()
+        if not self.policy.shard_grads:
+            for flat in self.flats:
+                if flat.trainable:
+                    flat.reduce_grads()
+        self.optimizer.step()
+        for flat in self.flats:
+            flat.sync_after_step()
+            flat.zero_grad()
+        self.comm.end_step()
+        self.global_steps += 1
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and self.comm.rank == 0:
+            logger.info("step %d: model states %.1f MiB per rank, traffic %.1f MiB last step",
+                        self.global_steps, self.memory_stats()["model_states"] / 2**20,
+                        sum(v["bytes"] for v in self.comm.stats()["last_step"].values()) / 2**20)
+
+    # ---- views and measurements -----------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank."""
+        values: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), self.comm.outside_step():
+            for flat in self.flats:
+                full = flat.gathered_copy()
+                for slot in flat.layout.slots:
+                    value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).float().cpu().clone()
+                    values.update({name: value for name in slot.names})
+            for name, buffer in self._buffers.items():
+                copy = buffer.detach().clone()
+                self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
+                values[name] = copy.cpu()
+        return {k: values[k] for k in self._state_dict_keys if k in values}
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds now: model states by category, module buffers and temporaries."""
+        held = Counter()
+        for flat in self.flats:
+            held.update(flat.bytes_held())
+        stats = {"params": held["params"], "grads": held["grads"],
+                 "optimizer": optimizer_state_bytes(self.optimizer),
+                 "buffers": tensor_bytes(self.module.buffers()), "temporary": held["temporary"]}
+        stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
+        return stats
+
+    def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per collective kind: calls and bytes (paper convention), for the last step and in total."""
+        return self.comm.stats()
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Ψ: distinct parameters (tied weights once), without padding."""
+        return sum(f.layout.numel for f in self.flats if f.trainable or not trainable_only)
+
+
+def check_model(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"initialize() needs a torch.nn.Module, got {type(module).__name__}")
+    params = dict(module.named_parameters())
+    if not any(p.requires_grad for p in params.values()):
+        raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
+                         "there is nothing to optimize")
+    for name, p in params.items():
+        if p.is_meta:
+            raise ValueError(f"parameter '{name}' is on the meta device; materialize the model "
+                             f"(e.g. model.to_empty(device=...) and initialize it) first")
+    dtypes = {p.dtype for p in params.values()}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
+                         f"convert the model with model.float()")
+    devices = {p.device for p in params.values()}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
+    entries = [f"config {json.dumps(config.raw, sort_keys=True, default=str)}", f"world size {world_size}"]
+    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+                for n, p in module.named_parameters(remove_duplicate=False)]
+    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    return entries
+
+
+def verify_same_on_every_rank(comm: Comm, module: nn.Module, config: Config) -> None:
+    """Refuse to start if ranks disagree on the model or config (they would hang or corrupt)."""
+    signature = _signature(module, config, comm.world_size)
+    digest = hashlib.sha256("\n".join(signature).encode()).hexdigest()
+    digests = comm.all_gather_objects(digest)
+    if len(set(digests)) == 1:
+        return
+    signatures = comm.all_gather_objects(signature)
+    rank = next(r for r, d in enumerate(digests) if d != digests[0])
+    ours, theirs = signatures[0], signatures[rank]
+    diff = next(((a, b) for a, b in zip(ours, theirs) if a != b), None)
+    detail = (f"rank 0 has '{diff[0]}', rank {rank} has '{diff[1]}'" if diff else
+              f"rank 0 has {len(ours)} entries, rank {rank} has {len(theirs)}")
+    raise ModelMismatchError(f"ranks disagree on the model or config: {detail}. Build the same model "
+                             f"with the same config on every rank.")

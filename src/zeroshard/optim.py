@@ -1,0 +1,78 @@
+"""Building the user's torch optimizer over flat shards, whatever form the user gave it in.
+
+The optimizer never sees a module parameter: it sees one flat tensor per (unit, parameter group),
+which is the whole buffer at stage 0 and this rank's shard at stages 1-3. Any torch optimizer works
+unchanged because each element is updated independently of the others.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+
+from .config import Config, ConfigError
+
+OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
+
+
+def resolve_groups(model: nn.Module, param_groups: list[dict] | None) -> tuple[list[dict], dict[int, int]]:
+    """User parameter groups -> (options per group, group index of each trainable parameter)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if param_groups is None:
+        return [{}], {id(p): 0 for p in trainable}
+    options, group_of = [], {}
+    for index, group in enumerate(param_groups):
+        group = dict(group)
+        params = group.pop("params", None)
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"param_groups[{index}] holds a tensor that is not a parameter of the model")
+            if not p.requires_grad:
+                raise ValueError(f"param_groups[{index}] holds '{names[id(p)]}', which is frozen "
+                                 f"(requires_grad=False); leave frozen parameters out of the groups")
+            if id(p) in group_of:
+                raise ValueError(f"'{names[id(p)]}' appears in two parameter groups; put it in one")
+            group_of[id(p)] = index
+        options.append(group)
+    missing = [names[id(p)] for p in trainable if id(p) not in group_of]
+    if missing:
+        raise ValueError(f"trainable parameters {missing[:5]} are in no parameter group; add them to "
+                         f"a group or set requires_grad=False")
+    return options, group_of
+
+
+def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> torch.optim.Optimizer:
+    """groups: [{"params": [flat tensors], **options}], one per user parameter group."""
+    plain = len(groups) == 1 and set(groups[0]) == {"params"}
+    params: Any = groups[0]["params"] if plain else groups
+    if isinstance(spec, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a callable params -> torch.optim.Optimizer (e.g. "
+                        "lambda p: torch.optim.AdamW(p, lr=3e-4)) or an Optimizer class, not an "
+                        "instance: an instance was built over the unsharded parameters")
+    if spec is None:
+        if config.optimizer is None:
+            raise ConfigError("no optimizer: pass optimizer=... to initialize, or add "
+                              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}} to the config")
+        cls, kwargs = config.optimizer.build_class(), config.optimizer.params
+    elif isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        cls, kwargs = spec, (config.optimizer.params if config.optimizer else {})
+    elif callable(spec):
+        cls, kwargs = spec, {}
+    else:
+        raise TypeError(f"optimizer must be a callable, an Optimizer class or None, got {type(spec).__name__}")
+    try:
+        optimizer = cls(params, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"could not build the optimizer {getattr(cls, '__name__', cls)} with "
+                          f"{kwargs}: {e}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    given = {id(t) for g in groups for t in g["params"]}
+    seen = {id(t) for g in optimizer.param_groups for t in g["params"]}
+    if given != seen:
+        raise ValueError("the optimizer callable must build its optimizer over exactly the `params` "
+                         "it is given (zeroshard's flat shards), not over model.parameters()")
+    return optimizer

@@ -1,0 +1,114 @@
+"""Units: the modules whose parameters are gathered, freed and reduced together.
+
+Policy: with `unit_modules=None`, every child of an nn.ModuleList (the repeated blocks of almost every
+network) becomes a unit; otherwise every module whose class name is listed does. Units never nest
+(the outermost match wins). The root unit holds every other parameter.
+
+A parameter belongs to exactly one unit: the lowest unit containing every module that registers it.
+A weight tied across units (an embedding shared with the output layer) therefore lands in the root,
+which stays gathered for the whole forward and backward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .unit import FlatParam
+
+ROOT = ""
+
+
+def find_units(model: nn.Module, unit_modules: list[str] | None) -> list[str]:
+    """Qualified names of unit modules in registration order, root ("") first."""
+    if unit_modules is None:
+        candidates = {f"{name}.{child}" if name else child
+                      for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                      for child, _ in m.named_children()}
+    else:
+        wanted = set(unit_modules)
+        candidates = {name for name, m in model.named_modules() if name and type(m).__name__ in wanted}
+        found = {type(m).__name__ for name, m in model.named_modules() if name in candidates}
+        if wanted - found:
+            raise ValueError(f"zeroshard.unit_modules names {sorted(wanted - found)}, but no submodule "
+                             f"has that class; the model's classes are "
+                             f"{sorted({type(m).__name__ for m in model.modules()})}")
+    units = [ROOT]
+    for name, _ in model.named_modules():
+        if name in candidates and not any(_is_within(name, u) for u in units[1:]):
+            units.append(name)
+    return units
+
+
+def _is_within(name: str, ancestor: str) -> bool:
+    return ancestor == ROOT or name == ancestor or name.startswith(ancestor + ".")
+
+
+def _owning_unit(module_name: str, units: list[str]) -> str:
+    inside = [u for u in units if _is_within(module_name, u)]
+    return max(inside, key=len)  # the deepest one; units never nest, so this is unique
+
+
+def assign_params(model: nn.Module, units: list[str]) -> dict[str, list[tuple[tuple[str, ...], nn.Parameter]]]:
+    """unit name -> [(all names of a parameter, parameter)] in registration order, each once."""
+    names: dict[int, list[str]] = {}
+    owners: dict[int, set[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for full_name, p in model.named_parameters(remove_duplicate=False):
+        module_name = full_name.rpartition(".")[0]
+        names.setdefault(id(p), []).append(full_name)
+        owners.setdefault(id(p), set()).add(_owning_unit(module_name, units))
+        params[id(p)] = p
+    assigned: dict[str, list[tuple[tuple[str, ...], nn.Parameter]]] = {u: [] for u in units}
+    for key, p in params.items():
+        homes = owners[key]
+        assigned[homes.pop() if len(homes) == 1 else ROOT].append((tuple(names[key]), p))
+    return assigned
+
+
+class Unit:
+    """A module and its flat parameters; at stage 3 it is gathered before use and freed after."""
+
+    def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]) -> None:
+        self.name, self.module, self.flats = name, module, flats
+        self.is_root = name == ROOT
+        # Freeing early is only safe when no frozen buffer may still be needed later in backward.
+        self.free_when_reduced = not self.is_root and all(f.trainable for f in flats)
+
+    def gather(self) -> None:
+        for f in self.flats:
+            f.gather()
+
+    def free(self) -> None:
+        for f in self.flats:
+            f.free()
+
+    def all_reduced(self) -> bool:
+        return all(f.reduced for f in self.flats if f.trainable)
+
+    def install_stage3_hooks(self) -> None:
+        """Gather before forward and before backward; free after forward (the root stays)."""
+        self.module.register_forward_pre_hook(lambda module, args: self.gather())
+        self.module.register_forward_hook(self._post_forward)
+
+    def _post_forward(self, module: nn.Module, args: object, output: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside backward (activation checkpointing): keep parameters
+        if not torch.is_grad_enabled():
+            self.free()  # no backward follows (evaluation): free even the root
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not self.is_root:
+            self.free()
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: self.gather(), mode="any")
+
+
+def install_grad_hooks(unit: Unit, on_grad: Callable[[Unit, FlatParam, nn.Parameter], None]) -> None:
+    """Route each trainable parameter's accumulated gradient to its flat buffer as soon as it is ready."""
+    for flat in unit.flats:
+        if flat.trainable:
+            for p in flat.params:
+                p.register_post_accumulate_grad_hook(lambda p, flat=flat: on_grad(unit, flat, p))

@@ -1,0 +1,34 @@
+"""Run a function on N local ranks (gloo, one thread each) and surface the first failure."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()  # gloo can abort at exit if one rank tears down while a peer still talks
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    """fn(rank, world_size, *args) on every rank; raises if any rank raises (others are stopped)."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                       join=True, start_method="spawn")
