@@ -19,9 +19,13 @@ import torch
 import torch.distributed as dist
 
 
-# torch 2.13 renamed the flat-tensor collectives; keep working on the older names (torch >= 2.4).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_flat(*args, **kwargs):
+    # torch 2.13 renamed the flat-tensor collectives; older names still work back to torch 2.4.
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class Kind(str, Enum):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import weakref
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec, build_optimizer, resolve_groups
 from .unit import Buckets, FlatParam, StagePolicy
-from .wrap import Unit, assign_params, find_units, install_grad_hooks
+from .wrap import Unit, assign_params, find_units
 
 logger = logging.getLogger("zeroshard")
 
@@ -53,9 +55,9 @@ class Engine:
         groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
                   for i, opts in enumerate(options)]
         self.optimizer = build_optimizer(optimizer, config, [g for g in groups if g["params"]])
-        for unit in self.units:
-            install_grad_hooks(unit, self._on_grad)
-            if self.policy.shard_params:
+        self._install_grad_hooks()
+        if self.policy.shard_params:
+            for unit in self.units:
                 unit.install_stage3_hooks()
         self.global_steps = 0
 
@@ -90,7 +92,21 @@ class Engine:
         loss.backward()
         self._finish_backward()
 
-    def _on_grad(self, unit: Unit, flat: FlatParam, param: nn.Parameter) -> None:
+    def _install_grad_hooks(self) -> None:
+        """Route each gradient to its flat buffer as soon as autograd has accumulated it.
+
+        The hooks live on the C++ side of each parameter, where Python's GC cannot see them: they
+        hold only a weak reference to the engine and indices, so a dropped engine is freed."""
+        engine = weakref.ref(self)
+        for u, unit in enumerate(self.units):
+            for f, flat in enumerate(unit.flats):
+                if flat.trainable:
+                    for p in flat.params:
+                        p.register_post_accumulate_grad_hook(partial(_grad_ready, engine, u, f))
+
+    def _on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
+        unit = self.units[unit_index]
+        flat = unit.flats[flat_index]
         complete = flat.accumulate(param)
         if complete and self.policy.shard_grads:
             flat.reduce_grads()
@@ -163,6 +179,12 @@ class Engine:
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding."""
         return sum(f.layout.numel for f in self.flats if f.trainable or not trainable_only)
+
+
+def _grad_ready(engine: "weakref.ref[Engine]", unit_index: int, flat_index: int, param: nn.Parameter) -> None:
+    live = engine()
+    if live is not None:
+        live._on_grad(unit_index, flat_index, param)
 
 
 def check_model(module: nn.Module) -> None:

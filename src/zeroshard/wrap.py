@@ -10,8 +10,6 @@ which stays gathered for the whole forward and backward.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -104,11 +102,3 @@ class Unit:
             self.free()
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: self.gather(), mode="any")
-
-
-def install_grad_hooks(unit: Unit, on_grad: Callable[[Unit, FlatParam, nn.Parameter], None]) -> None:
-    """Route each trainable parameter's accumulated gradient to its flat buffer as soon as it is ready."""
-    for flat in unit.flats:
-        if flat.trainable:
-            for p in flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, flat=flat: on_grad(unit, flat, p))

@@ -1,0 +1,92 @@
+"""A small GPT (nanoGPT-shaped) for the main job and benchmarks: byte-level, tied embeddings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    layers: int = 4
+    width: int = 128
+    heads: int = 4
+
+
+SIZES = {  # named sizes for the CLI: (layers, width, heads)
+    "tiny": (2, 64, 2), "small": (4, 128, 4), "medium": (6, 256, 8), "large": (8, 512, 8),
+}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.width % cfg.heads:
+            raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.width), nn.LayerNorm(cfg.width)
+        self.attn = SelfAttention(cfg)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator,
+                 temperature: float = 0.8, top_k: int = 40) -> torch.Tensor:
+        """Sample continuations. Under stage 3 every rank must call this together (gathers)."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1] / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+            probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,81 @@
+"""Config parsing: DeepSpeed keys accepted, everything else refused by name with the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroshard import Config, ConfigError
+
+DEEPSPEED_STYLE = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0, "steps_per_print": 10, "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "bf16": {"enabled": False}, "fp16": {"enabled": False},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+                          "stage3_param_persistence_threshold": 1e4, "contiguous_gradients": True,
+                          "overlap_comm": False, "reduce_scatter": True, "allgather_partitions": True},
+}
+
+
+def test_deepspeed_style_config_is_accepted(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(DEEPSPEED_STYLE))
+    cfg = Config.load(str(path))
+    assert cfg.stage == 3 and cfg.zero.reduce_bucket_size == 500_000_000
+    assert cfg.zero.stage3_param_persistence_threshold == 10_000
+    assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params["lr"] == 3e-4
+    cfg.check_batch_sizes(world_size=4)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"zero_optimisation": {}}, ["zero_optimisation", "accepted top-level keys", "zero_optimization"]),
+    ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "0, 1, 2 or 3"]),
+    ({"zero_optimization": {"stage": "3"}}, ["zero_optimization.stage", "integer"]),
+    ({"zero_optimization": {"stage": True}}, ["zero_optimization.stage", "integer"]),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, ["reduce_bucket_size", ">= 1"]),
+    ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["reduce_bucket_size", "integer"]),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": 1}}, ["stage3_prefetch_bucket_size", "does not implement"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer", "does not implement"]),
+    ({"zero_optimization": {"overlap_comm": True}}, ["overlap_comm", "set it to false"]),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
+    ({"zero_optimization": {"reduce_scatter": False}}, ["reduce_scatter", "set it to true"]),
+    ({"zero_optimization": {"stagee": 1}}, ["zero_optimization.stagee", "accepted", "stage"]),
+    ({"zero_optimization": 3}, ["zero_optimization", "object"]),
+    ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "does not implement"]),
+    ({"optimizer": {"type": "Adafactor"}}, ["optimizer.type", "adamw"]),
+    ({"optimizer": {"type": "Adam", "param": {}}}, ["optimizer.param", "type, params"]),
+    ({"bf16": {"enabled": True}}, ["bf16.enabled", "not implemented"]),
+    ({"fp16": {"enabled": False, "loss_scale": 0}}, ["fp16.loss_scale", "not implemented"]),
+    ({"gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "not implemented"]),
+    ({"gradient_clipping": -1}, ["gradient_clipping", ">= 0"]),
+    ({"gradient_clipping": 1.0}, ["gradient_clipping", "not implemented"]),
+    ({"train_batch_size": 0}, ["train_batch_size", ">= 1"]),
+    ({"zeroshard": {"unit_modules": []}}, ["zeroshard.unit_modules", "list"]),
+    ({"zeroshard": {"units": "auto"}}, ["zeroshard.units", "unit_modules"]),
+])
+def test_bad_values_are_named(raw, words):
+    with pytest.raises(ConfigError) as err:
+        Config.load(raw)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_batch_sizes_must_agree_with_world_size():
+    cfg = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    cfg.check_batch_sizes(4)
+    with pytest.raises(ConfigError, match="train_batch_size=16 != train_micro_batch_size_per_gpu=4"):
+        cfg.check_batch_sizes(3)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Config.load(str(tmp_path / "bad.json"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        Config.load(str(tmp_path / "list.json"))
+    with pytest.raises(ConfigError, match="dict, a path"):
+        Config.load(42)
