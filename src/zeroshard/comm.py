@@ -9,6 +9,7 @@ per-step window so that step figures stay comparable with the formulas.
 from __future__ import annotations
 
 import os
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,6 +71,8 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.total = _fresh()
         self.window = _fresh()
         self.last_step = _fresh()
@@ -102,10 +105,19 @@ class Comm:
                        group=self.group)
 
     def all_gather_objects(self, obj: object) -> list[object]:
-        """Pickled objects from every rank (set-up checks only: slow, not counted)."""
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Small picklable objects from every rank (checks and reports; not counted as traffic).
+
+        Done with tensors rather than dist.all_gather_object, which needs numpy."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        _all_gather_flat(sizes, torch.tensor([payload.numel()], device=self.device), group=self.group)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[:payload.numel()] = payload
+        gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
+        _all_gather_flat(gathered, padded, group=self.group)
+        rows = gathered.cpu().view(self.world_size, longest)
+        return [pickle.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(self.world_size)]
 
     def end_step(self) -> None:
         self.last_step, self.window = self.window, _fresh()

@@ -112,8 +112,7 @@ def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float
 def _report(engine, args: TrainArgs, train_loss: float, val_loss: float) -> str:
     """Model-state bytes per rank beside the paper's formula, traffic beside 2Ψ / 3Ψ, losses."""
     stage, world = args.stage, dist.get_world_size()
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, engine.memory_stats())
+    per_rank = engine.comm.all_gather_objects(engine.memory_stats())
     psi = engine.num_parameters()
     traffic = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     formula = paper_model_state_bytes(psi, world, stage, 4, 4, 8)
