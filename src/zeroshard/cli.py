@@ -1,7 +1,8 @@
-"""The `zeroshard` command: `train` (the main job)."""
+"""The `zeroshard` command: `train` (the main job) and `estimate` (the paper's memory model)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .gpt import SIZES
@@ -27,6 +28,64 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("estimate", help="per-rank model-state memory from the paper's formulas",
+                       description="Per-rank model-state memory (params, grads, optimizer state) from "
+                                   "the ZeRO paper's formulas for a parameter count or a model config, "
+                                   "beside stages 0-3; or the paper's Table 1 and Table 2 recomputed.")
+    p.add_argument("--params", type=float, help="parameter count Ψ, e.g. 7.5e9")
+    p.add_argument("--model", choices=sorted(SIZES), help="a built-in zeroshard GPT size instead of --params")
+    p.add_argument("--layers", type=int, help="built-in GPT layers (overrides --model's; default small's)")
+    p.add_argument("--width", type=int, help="built-in GPT width (overrides --model's; default small's)")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (GPT-2 or LLaMA style) instead of --params")
+    p.add_argument("--nproc", type=int, default=64, help="GPUs in all, DP x MP (default 64)")
+    p.add_argument("--mp", type=int, default=1, help="model-parallel degree; DP = nproc / mp (default 1)")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="fp32 Adam (4+4+8 bytes/param) or mixed-precision Adam (2+2+12) (default bf16)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="optimizer state in host memory: device and host bytes are reported apart")
+    p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
+    p.add_argument("--table2", action="store_true",
+                   help="print Table 2's theoretical columns recomputed and exit")
+    return p
+
+
+def _estimate_psi(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
+    """Ψ from exactly one source: --params, a built-in GPT (--model/--layers/--width), or --hf-config."""
+    from .estimate import load_hf_config, zeroshard_gpt_params
+    builtin = args.model is not None or args.layers is not None or args.width is not None
+    given = [name for name, on in [("--params", args.params is not None), ("--model/--layers/--width", builtin),
+                                   ("--hf-config", args.hf_config is not None)] if on]
+    if len(given) != 1:
+        parser.error("give one of --params, --model (or --layers/--width) or --hf-config"
+                     + (f", not {' and '.join(given)}" if given else ""))
+    if args.params is not None:
+        if not 0 < args.params < math.inf:  # also refuses nan
+            parser.error(f"--params must be a finite number > 0, got {args.params}")
+        return args.params
+    if args.hf_config is not None:
+        try:
+            return load_hf_config(args.hf_config)
+        except (OSError, ValueError) as err:
+            parser.error(f"--hf-config {args.hf_config}: {err}")
+    _check_positive(parser, args, ["layers", "width"])
+    layers, width, _ = SIZES[args.model or "small"]
+    return zeroshard_gpt_params(args.layers or layers, args.width or width)
+
+
+def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from .estimate import report, table1_text, table2_text
+    if args.table1 or args.table2:
+        print("\n\n".join(text() for on, text in [(args.table1, table1_text), (args.table2, table2_text)] if on))
+        return
+    _check_positive(parser, args, ["nproc", "mp"])
+    if args.nproc % args.mp:
+        parser.error(f"--nproc ({args.nproc}) must be a multiple of --mp ({args.mp})")
+    psi = _estimate_psi(parser, args)
+    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer, args.mp))
+
+
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
     for name in names:
         value = getattr(args, name)
@@ -38,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO data parallelism for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    estimate = _estimate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
         from .train import TrainArgs, launch
         options = {k: v for k, v in vars(args).items() if k != "command"}
         launch(TrainArgs(**options))
+    elif args.command == "estimate":
+        _run_estimate(estimate, args)
     return 0
 
 
