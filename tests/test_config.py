@@ -36,7 +36,9 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     ({"zero_optimization": {"reduce_bucket_size": 0}}, ["reduce_bucket_size", ">= 1"]),
     ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["reduce_bucket_size", "integer"]),
     ({"zero_optimization": {"stage3_prefetch_bucket_size": 1}}, ["stage3_prefetch_bucket_size", "does not implement"]),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer", "does not implement"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ["offload_optimizer.device", "nvme is not implemented"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, ["offload_optimizer.ratio", "does not implement"]),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param", "does not implement"]),
     ({"zero_optimization": {"overlap_comm": True}}, ["overlap_comm", "set it to false"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
     ({"zero_optimization": {"reduce_scatter": False}}, ["reduce_scatter", "set it to true"]),
@@ -45,11 +47,16 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "does not implement"]),
     ({"optimizer": {"type": "Adafactor"}}, ["optimizer.type", "adamw"]),
     ({"optimizer": {"type": "Adam", "param": {}}}, ["optimizer.param", "type, params"]),
-    ({"bf16": {"enabled": True}}, ["bf16.enabled", "not implemented"]),
-    ({"fp16": {"enabled": False, "loss_scale": 0}}, ["fp16.loss_scale", "not implemented"]),
-    ({"gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "not implemented"]),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["both fp16 and bf16"]),
+    ({"bf16": {"enabled": "yes"}}, ["bf16.enabled", "true or false"]),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, ["bf16.immediate_grad_update", "accepted: enabled"]),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, ["fp16.loss_scale", ">= 0"]),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, ["fp16.loss_scale_window", ">= 1"]),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, ["fp16.consecutive_hysteresis", "does not implement"]),
+    ({"fp16": {"enabled": True, "scale": 2}}, ["fp16.scale", "accepted", "initial_scale_power"]),
+    ({"communication_data_type": "fp8"}, ["communication_data_type", "fp32, bf16, fp16"]),
+    ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", ">= 1"]),
     ({"gradient_clipping": -1}, ["gradient_clipping", ">= 0"]),
-    ({"gradient_clipping": 1.0}, ["gradient_clipping", "not implemented"]),
     ({"train_batch_size": 0}, ["train_batch_size", ">= 1"]),
     ({"zeroshard": {"unit_modules": []}}, ["zeroshard.unit_modules", "list"]),
     ({"zeroshard": {"units": "auto"}}, ["zeroshard.units", "unit_modules"]),
@@ -59,6 +66,18 @@ def test_bad_values_are_named(raw, words):
         Config.load(raw)
     for word in words:
         assert word in str(err.value), (word, str(err.value))
+
+
+def test_precision_sections():
+    cfg = Config.load({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
+                       "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                       "communication_data_type": "fp32",
+                       "zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+    assert cfg.precision == "fp16" and cfg.scaler.initial_scale_power == 8 and cfg.scaler.hysteresis == 1
+    assert cfg.gradient_accumulation_steps == 4 and cfg.gradient_clipping == 1.0
+    assert cfg.zero.offload_optimizer and cfg.zero.offload_pin_memory
+    assert Config.load({"bf16": {"enabled": True}}).precision == "bf16"
+    assert Config.load({"fp16": {"enabled": False, "loss_scale": 128}}).scaler is None
 
 
 def test_batch_sizes_must_agree_with_world_size():

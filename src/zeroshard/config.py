@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from .precision import ScalerConfig
+
 
 class ConfigError(ValueError):
     """A config value zeroshard cannot honour; the message names the key and what is accepted."""
@@ -23,12 +25,12 @@ _NOT_IMPLEMENTED_TOP = {
     "scheduler", "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
     "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
     "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "communication_data_type", "prescale_gradients",
+    "zero_force_ds_cpu_optimizer", "prescale_gradients",
     "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "aio", "data_types",
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
 _NOT_IMPLEMENTED_ZERO = {
-    "offload_optimizer", "offload_param", "cpu_offload", "stage3_prefetch_bucket_size",
+    "offload_param", "cpu_offload", "stage3_prefetch_bucket_size",
     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
     "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
@@ -57,6 +59,8 @@ class ZeroConfig:
     overlap_comm: bool = False
     reduce_scatter: bool = True
     allgather_partitions: bool = True
+    offload_optimizer: bool = False            # master weights + optimizer state on the host
+    offload_pin_memory: bool = False
 
 
 @dataclass
@@ -81,6 +85,9 @@ class Config:
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     steps_per_print: int = 0                   # log a line every this many steps (0: never)
+    precision: str = "fp32"                    # "fp32", "bf16" or "fp16" (from the bf16/fp16 sections)
+    scaler: ScalerConfig | None = None         # fp16 loss scaling
+    communication_data_type: str | None = None  # gradient reduction dtype; None: the compute dtype
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -113,7 +120,13 @@ class Config:
             else:
                 raise ConfigError(f"unknown config key '{key}'; accepted top-level keys: "
                                   f"{', '.join(sorted(_TOP_LEVEL))}")
+        if cfg.zero.offload_optimizer and cfg.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 "
+                              "(it offloads the optimizer's shard); raise the stage or remove it")
         return cfg
+
+    def dtype(self, name: str | None) -> torch.dtype:
+        return _DTYPES[name or self.precision]
 
     def check_batch_sizes(self, world_size: int) -> None:
         """DeepSpeed's rule: train_batch_size = micro batch x accumulation steps x world size."""
@@ -181,6 +194,8 @@ def _zero(cfg: Config, value: Any) -> None:
             z.stage3_param_persistence_threshold = _as_int(name, v, 0)
         elif key == "contiguous_gradients":
             z.contiguous_gradients = _as_bool(name, v)
+        elif key == "offload_optimizer":
+            _offload_optimizer(cfg, v)
         elif key == "overlap_comm":
             _refuse_true(name, v, "communication is issued synchronously")
         elif key in ("reduce_scatter", "allgather_partitions"):
@@ -191,7 +206,8 @@ def _zero(cfg: Config, value: Any) -> None:
             raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not "
                               f"implement yet; remove it")
         else:
-            accepted = [f for f in ZeroConfig.__dataclass_fields__]
+            accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
+            accepted.append("offload_optimizer")
             raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
 
 
@@ -207,13 +223,62 @@ def _optimizer(cfg: Config, value: Any) -> None:
     cfg.optimizer = OptimizerConfig(kind, dict(_as_dict("optimizer.params", section.get("params", {}))))
 
 
-def _precision(name: str) -> Callable[[Config, Any], None]:
-    def apply(cfg: Config, value: Any) -> None:
-        for key, v in _as_dict(name, value).items():
-            if key != "enabled":
-                raise ConfigError(f"config key '{name}.{key}' is not implemented yet; remove it")
-            _refuse_true(f"{name}.enabled", v, "training runs in the parameters' own dtype")
-    return apply
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_FP16_KEYS = {"loss_scale": 0.0, "initial_scale_power": 0, "loss_scale_window": 1,
+              "hysteresis": 1, "min_loss_scale": 0.0}  # key -> minimum
+
+
+def _enable_precision(cfg: Config, name: str, enabled: Any) -> None:
+    if _as_bool(f"{name}.enabled", enabled):
+        if cfg.precision not in ("fp32", name):
+            raise ConfigError(f"config enables both fp16 and bf16; enable one of them")
+        cfg.precision = name
+
+
+def _fp16(cfg: Config, value: Any) -> None:
+    section = _as_dict("fp16", value)
+    scaler = ScalerConfig()
+    for key, v in section.items():
+        if key == "enabled":
+            continue
+        if key not in _FP16_KEYS:
+            _refuse(f"fp16.{key}", _NOT_IMPLEMENTED_FP16, ["enabled", *_FP16_KEYS])
+        minimum = _FP16_KEYS[key]
+        if isinstance(minimum, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
+                raise ConfigError(f"config key 'fp16.{key}' must be a number >= {minimum:g}, got {v!r}")
+            setattr(scaler, key, float(v))
+        else:
+            setattr(scaler, key, _as_int(f"fp16.{key}", v, minimum))
+    _enable_precision(cfg, "fp16", section.get("enabled", False))
+    if cfg.precision == "fp16":
+        cfg.scaler = scaler
+
+
+def _bf16(cfg: Config, value: Any) -> None:
+    section = _as_dict("bf16", value)
+    for key in section:
+        if key != "enabled":
+            _refuse(f"bf16.{key}", set(), ["enabled"])
+    _enable_precision(cfg, "bf16", section.get("enabled", False))
+
+
+def _communication_dtype(cfg: Config, value: Any) -> None:
+    if value not in _DTYPES:
+        raise ConfigError(f"config key 'communication_data_type' must be one of {', '.join(_DTYPES)}, "
+                          f"got {value!r}")
+    cfg.communication_data_type = value
+
+
+def _refuse(name: str, deepspeed_keys: set[str], accepted: list[str]) -> None:
+    key = name.rpartition(".")[2]
+    if key in deepspeed_keys:
+        raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not implement yet; "
+                          f"remove it")
+    raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+
+
+_NOT_IMPLEMENTED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
 
 
 def _set_int(attr: str, minimum: int) -> Callable[[Config, Any], None]:
@@ -222,17 +287,25 @@ def _set_int(attr: str, minimum: int) -> Callable[[Config, Any], None]:
     return apply
 
 
-def _accumulation(cfg: Config, value: Any) -> None:
-    if _as_int("gradient_accumulation_steps", value, 1) != 1:
-        raise ConfigError("config key 'gradient_accumulation_steps' > 1 is not implemented yet; "
-                          "set it to 1 (or use engine.backward several times before engine.step)")
-
-
 def _clipping(cfg: Config, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0, got {value!r}")
-    if value > 0:
-        raise ConfigError("config key 'gradient_clipping' > 0 is not implemented yet; set it to 0")
+        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0: off), got {value!r}")
+    cfg.gradient_clipping = float(value)
+
+
+def _offload_optimizer(cfg: Config, value: Any) -> None:
+    for key, v in _as_dict("zero_optimization.offload_optimizer", value).items():
+        name = f"zero_optimization.offload_optimizer.{key}"
+        if key == "device":
+            if v not in ("cpu", "none"):
+                hint = " (nvme is not implemented yet)" if v == "nvme" else ""
+                raise ConfigError(f"config key '{name}' must be \"cpu\" or \"none\", got {v!r}{hint}")
+            cfg.zero.offload_optimizer = v == "cpu"
+        elif key == "pin_memory":
+            cfg.zero.offload_pin_memory = _as_bool(name, v)
+        else:
+            _refuse(name, {"nvme_path", "buffer_count", "fast_init", "ratio", "pipeline_read",
+                           "pipeline_write", "pipeline"}, ["device", "pin_memory"])
 
 
 def _wall_clock(cfg: Config, value: Any) -> None:
@@ -257,11 +330,12 @@ _TOP_LEVEL: dict[str, Callable[[Config, Any], None]] = {
     "optimizer": _optimizer,
     "train_batch_size": _set_int("train_batch_size", 1),
     "train_micro_batch_size_per_gpu": _set_int("train_micro_batch_size_per_gpu", 1),
-    "gradient_accumulation_steps": _accumulation,
+    "gradient_accumulation_steps": _set_int("gradient_accumulation_steps", 1),
     "gradient_clipping": _clipping,
     "steps_per_print": _set_int("steps_per_print", 0),
     "wall_clock_breakdown": _wall_clock,
-    "fp16": _precision("fp16"),
-    "bf16": _precision("bf16"),
+    "fp16": _fp16,
+    "bf16": _bf16,
+    "communication_data_type": _communication_dtype,
     "zeroshard": _zeroshard,
 }

@@ -14,7 +14,9 @@ import json
 import logging
 import weakref
 from collections import Counter
+from contextlib import contextmanager
 from functools import partial
+from typing import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +25,8 @@ from torch import nn
 from .comm import Comm
 from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
-from .optim import OptimizerSpec, build_optimizer, resolve_groups
+from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
+from .precision import LossScaler, Precision
 from .unit import Buckets, FlatParam, StagePolicy
 from .wrap import Unit, assign_params, find_units
 
@@ -44,6 +47,9 @@ class Engine:
         verify_same_on_every_rank(comm, module, config)
         self.module, self.config, self.comm = module, config, comm
         self.policy = StagePolicy.for_stage(config.stage)
+        self.precision = _precision(config)
+        self.scaler = LossScaler(config.scaler)
+        _convert_buffers(module, self.precision.param_dtype)
         options, group_of = resolve_groups(module, param_groups)
         self.units = self._build_units(group_of)
         self.flats = [f for u in self.units for f in u.flats]
@@ -59,7 +65,10 @@ class Engine:
         if self.policy.shard_params:
             for unit in self.units:
                 unit.install_stage3_hooks()
-        self.global_steps = 0
+        self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
+        self.micro_steps = 0       # engine.step() calls
+        self.last_grad_norm: float | None = None
+        self._sync = True
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
         names = find_units(self.module, self.config.unit_modules)
@@ -73,7 +82,7 @@ class Engine:
             flats = []
             for group, members in sorted(by_group.items()):
                 numel = sum(p.numel() for _, p in members)
-                flat = FlatParam(members, self.comm, self.policy, buckets, trainable=group >= 0,
+                flat = FlatParam(members, self.comm, self.policy, buckets, self.precision, trainable=group >= 0,
                                  persistent=numel <= zero.stage3_param_persistence_threshold,
                                  group=group)
                 flats.append(flat)
@@ -86,11 +95,28 @@ class Engine:
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), then reduce every gradient buffer not yet reduced (stages 2-3)."""
+        """Backward of loss x loss scale / accumulation steps, then reduce every gradient buffer not
+        yet reduced (stages 2-3; inside no_sync() nothing is reduced)."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
-        loss.backward()
+        factor = self.scaler.scale / self.config.gradient_accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward()
         self._finish_backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally without communicating; the first backward
+        after it reduces everything accumulated. At stages 2-3 this keeps full-size gradients alive
+        between backwards (memory), as FSDP's no_sync does."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Will the next step() call update the parameters?"""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def _install_grad_hooks(self) -> None:
         """Route each gradient to its flat buffer as soon as autograd has accumulated it.
@@ -108,7 +134,7 @@ class Engine:
         unit = self.units[unit_index]
         flat = unit.flats[flat_index]
         complete = flat.accumulate(param)
-        if complete and self.policy.shard_grads:
+        if complete and self.policy.shard_grads and self._sync:
             flat.reduce_grads()
             if self.policy.shard_params and unit.free_when_reduced and unit.all_reduced():
                 unit.free()
@@ -116,26 +142,30 @@ class Engine:
     def _finish_backward(self) -> None:
         # Every rank reduces every trainable buffer exactly once per backward, in unit order: a
         # buffer whose parameters got no gradient (unused this step) contributes zeros.
-        if self.policy.shard_grads:
-            for flat in self.flats:
-                if flat.trainable and not flat.reduced:
-                    flat.reduce_grads()
-                flat.reduced = False
+        for flat in self.flats:
+            if self.policy.shard_grads and self._sync and flat.trainable and not flat.reduced:
+                flat.reduce_grads()
+            flat.end_backward()
         if self.policy.shard_params:
             for unit in self.units:
                 unit.free()
 
     def step(self) -> None:
-        """Optimizer step on the owned flat tensors, parameters re-synchronised, gradients cleared."""
+        """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
+        the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
+        self.micro_steps += 1
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            return
         if any(f.reduced or (f.grad_full is not None and self.policy.shard_grads) for f in self.flats):
             self._finish_backward()  # the user called loss.backward() instead of engine.backward()
         if not self.policy.shard_grads:
             for flat in self.flats:
                 if flat.trainable:
                     flat.reduce_grads()
-        self.optimizer.step()
+        self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
+                                           self.config.gradient_clipping, self.policy.shard_optimizer,
+                                           self.global_steps)
         for flat in self.flats:
-            flat.sync_after_step()
             flat.zero_grad()
         self.comm.end_step()
         self.global_steps += 1
@@ -144,6 +174,15 @@ class Engine:
             logger.info("step %d: model states %.1f MiB per rank, traffic %.1f MiB last step",
                         self.global_steps, self.memory_stats()["model_states"] / 2**20,
                         sum(v["bytes"] for v in self.comm.stats()["last_step"].values()) / 2**20)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because fp16 gradients overflowed (on every rank alike)."""
+        return self.scaler.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
 
     # ---- views and measurements -----------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -158,7 +197,7 @@ class Engine:
             for name, buffer in self._buffers.items():
                 copy = buffer.detach().clone()
                 self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
-                values[name] = copy.cpu()
+                values[name] = (copy.float() if copy.is_floating_point() else copy).cpu()
         return {k: values[k] for k in self._state_dict_keys if k in values}
 
     def memory_stats(self) -> dict[str, int]:
@@ -166,10 +205,12 @@ class Engine:
         held = Counter()
         for flat in self.flats:
             held.update(flat.bytes_held())
-        stats = {"params": held["params"], "grads": held["grads"],
-                 "optimizer": optimizer_state_bytes(self.optimizer),
+        # The paper's K counts the fp32 master copy with the optimizer state (K = 12 for Adam).
+        optimizer = optimizer_state_bytes(self.optimizer) + held["master"]
+        stats = {"params": held["params"], "grads": held["grads"], "optimizer": optimizer,
                  "buffers": tensor_bytes(self.module.buffers()), "temporary": held["temporary"]}
         stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
+        stats["offloaded"] = optimizer if self.precision.offload else 0  # held in host memory
         return stats
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
@@ -201,10 +242,29 @@ def check_model(module: nn.Module) -> None:
     dtypes = {p.dtype for p in params.values()}
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
-                         f"convert the model with model.float()")
+                         f"convert the model with model.float() (for mixed precision, keep it fp32 "
+                         f"and enable \"bf16\" or \"fp16\" in the config)")
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+
+
+def _precision(config: Config) -> Precision:
+    compute = config.dtype(None)
+    # With accumulation, stages 2-3 add each micro-batch's reduced gradient into the shard: in fp32,
+    # so that many small bf16/fp16 additions do not lose precision.
+    accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute
+    return Precision(param_dtype=compute, reduce_dtype=config.dtype(config.communication_data_type),
+                     accumulate_dtype=accumulate, offload=config.zero.offload_optimizer,
+                     pin_memory=config.zero.offload_pin_memory)
+
+
+def _convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating buffers follow the compute dtype, as module.to(dtype) would do."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)
 
 
 def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,7 +11,10 @@ from typing import Any, Callable, Union
 import torch
 from torch import nn
 
+from .comm import Comm
 from .config import Config, ConfigError
+from .precision import LossScaler
+from .unit import FlatParam
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 
@@ -76,3 +79,37 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
         raise ValueError("the optimizer callable must build its optimizer over exactly the `params` "
                          "it is given (zeroshard's flat shards), not over model.parameters()")
     return optimizer
+
+
+def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
+                 max_norm: float, norm_is_sharded: bool, step: int) -> float | None:
+    """Unscale, clip by the global norm, skip on overflow, update, write back. Returns the global
+    gradient norm (None when neither clipping nor fp16 needed it).
+
+    The norm is one scalar all-reduce over the ranks' shards (stage 0 ranks hold identical reduced
+    gradients, so there it is local); an overflow anywhere makes it non-finite on every rank, so all
+    ranks skip together. Clipping matches torch.nn.utils.clip_grad_norm_ on the full model.
+    """
+    trainable = [f for f in flats if f.trainable]
+    norm = None
+    if max_norm > 0 or scaler.enabled:
+        squares = torch.zeros((), dtype=torch.float32, device=comm.device)
+        for f in trainable:
+            squares += f.local_grad().float().pow(2).sum().to(comm.device)
+        if norm_is_sharded:
+            comm.all_reduce(squares)
+        norm = squares.sqrt().item() / scaler.scale
+    overflow = scaler.enabled and not torch.isfinite(torch.tensor(norm)).item()
+    if scaler.enabled:
+        scaler.update(overflow, step)
+    if overflow:
+        return norm
+    factor = 1.0 / scaler.scale
+    if max_norm > 0:
+        factor *= min(1.0, max_norm / (norm + 1e-6))
+    for f in trainable:
+        f.attach_master_grad(factor)
+    optimizer.step()
+    for f in trainable:
+        f.write_back()
+    return norm

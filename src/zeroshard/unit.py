@@ -2,9 +2,11 @@
 
 Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the padded buffer):
 - module parameters are views of `full` while it is gathered (always, at stages 0-2);
-- `shard` is this rank's slice: an alias of `full` at stages 0-2, its own tensor at stage 3;
-- the optimizer sees `opt_param` (the whole buffer at stage 0, the shard otherwise) whose `.grad` is
-  the mean over ranks of the gradients once `reduce_grads()` has run;
+- `shard` is this rank's slice, in the compute dtype: an alias of `full` at stages 0-2, its own
+  tensor at stage 3;
+- `master` is what the optimizer updates (fp32; the whole buffer at stage 0, the shard otherwise). It
+  aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
+  after each step;
 - each trainable FlatParam is reduced exactly once per backward (or per step at stages 0-1), in the
   same order on every rank, so the collectives always match across ranks.
 """
@@ -18,6 +20,7 @@ from torch import nn
 
 from .comm import Comm
 from .partition import build_layout
+from .precision import Precision
 
 
 @dataclass(frozen=True)
@@ -46,51 +49,71 @@ class Buckets:
     gather: int
 
 
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
 class FlatParam:
     """The parameters of one (unit, group), laid end to end; see the module docstring."""
 
     def __init__(self, named_params: list[tuple[tuple[str, ...], nn.Parameter]], comm: Comm,
-                 policy: StagePolicy, buckets: Buckets, trainable: bool, persistent: bool = False,
-                 group: int = 0) -> None:
+                 policy: StagePolicy, buckets: Buckets, precision: Precision, trainable: bool,
+                 persistent: bool = False, group: int = 0) -> None:
         self.params = [p for _, p in named_params]
         self.layout = build_layout([(names, tuple(p.shape)) for names, p in named_params], comm.world_size)
-        self.comm, self.policy, self.buckets, self.trainable = comm, policy, buckets, trainable
-        self.group = group  # index of the user's parameter group (-1: frozen parameters)
+        self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
+        self.trainable, self.group = trainable, group  # group: the user's parameter group (-1: frozen)
         self.slot_of = {id(p): slot for p, slot in zip(self.params, self.layout.slots)}
-        first = self.params[0]
-        self.full = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for p, slot in zip(self.params, self.layout.slots):
-                self.full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            with comm.outside_step():
-                comm.broadcast(self.full, 0)  # every rank starts from rank 0's values, as DDP does
-        start, end = self.layout.shard_range(comm.rank)
+        self.range = self.layout.shard_range(comm.rank)
+        source = self._initial_values()
+        owned = source if not policy.shard_optimizer else source[self.range[0]:self.range[1]]
+        self.full = source.to(precision.param_dtype)  # the same tensor when no conversion is needed
         self.persistent = not policy.shard_params or persistent
-        self.shard = self.full[start:end].clone() if policy.shard_params else self.full[start:end]
+        self.shard = self.full[self.range[0]:self.range[1]]
+        if policy.shard_params:
+            self.shard = self.shard.clone()
         self.state = ParamState.GATHERED
-        self._placeholder = torch.empty(0, dtype=first.dtype, device=first.device)
+        self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
         self._point_params_at_full()
-        if not self.persistent:
-            self.free()
         self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
         self.grad_shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
         self.opt_param: nn.Parameter | None = None
-        self.reduced = False      # reduced since the last step? (stages 2-3)
-        self.has_grad = False     # does grad_shard hold a reduced gradient yet?
+        self.reduced = False      # reduced during the current backward? (stages 2-3)
+        self.has_grad = False     # does grad_shard hold a reduced gradient since the last step?
         self._pending: set[int] = set()
         if trainable:
-            self._init_grads()
+            self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
+        if not self.persistent:
+            self.free()
 
-    def _init_grads(self) -> None:
-        padded, (start, end) = self.layout.padded_numel, self.layout.shard_range(self.comm.rank)
+    def _initial_values(self) -> torch.Tensor:
+        """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
+        first = self.params[0]
+        source = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, slot in zip(self.params, self.layout.slots):
+                source[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            with self.comm.outside_step():
+                self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
+        return source
+
+    def _init_trainable(self, owned_source: torch.Tensor) -> None:
+        p = self.precision
         if self.policy.shard_grads:
-            self.grad_shard = torch.zeros_like(self.shard)
+            dtype = p.accumulate_dtype
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.full.device)
         else:
-            self.grad_full = torch.zeros(padded, dtype=self.full.dtype, device=self.full.device)
-            self.grad_shard = self.grad_full[start:end]  # reduce-scattered in place at stage 1
-        target = self.shard if self.policy.shard_optimizer else self.full
-        self.opt_param = nn.Parameter(target)  # shares storage: updates land in the buffer
-        self.opt_param.grad = self.grad_shard if self.policy.shard_optimizer else self.grad_full
+            self.grad_full = torch.zeros_like(self.full)
+            self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        if p.separate_master:  # fp32 copy of the original values (not of their rounded compute copy)
+            self.master = owned_source.to(torch.float32, copy=True).to(p.master_device(self.full.device))
+            if p.pin_memory and torch.cuda.is_available():
+                self.master = self.master.pin_memory()
+        else:
+            self.master = updated
+        self.opt_param = nn.Parameter(self.master)  # shares storage: updates land in `master`
         self._pending = set(self.slot_of)
 
     # ---- parameters -------------------------------------------------------------------------
@@ -104,7 +127,7 @@ class FlatParam:
             return
         # Resize the same storage back rather than allocating a new tensor: views that autograd
         # saved during forward keep pointing at this storage and become valid again.
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.full.untyped_storage().resize_(_nbytes(self.full))
         with torch.no_grad():
             self._all_gather(self.full, self.shard)
         self._point_params_at_full()
@@ -119,13 +142,6 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
-    def sync_after_step(self) -> None:
-        """Every rank updated only its shard: all-gather where `full` is kept (stages 1-2, and
-        stage-3 buffers below the persistence threshold)."""
-        if self.trainable and self.policy.shard_optimizer and self.persistent:
-            with torch.no_grad():
-                self._all_gather(self.full, self.shard)
-
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         chunks = self.layout.shard_chunks(self.buckets.gather)
         if len(chunks) == 1:
@@ -137,12 +153,18 @@ class FlatParam:
             self.comm.all_gather(bucket, shard[a:b].contiguous())
             rows[:, a:b].copy_(bucket.view(self.comm.world_size, b - a))
 
-    def gathered_copy(self) -> torch.Tensor:
-        """The full padded values, gathered into a new tensor if needed (for exports)."""
+    def gathered_copy(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full padded values (from the fp32 master where there is one), in a new tensor."""
+        if self.master is not None and self.master.dtype != self.full.dtype:
+            owned = self.master.to(self.full.device)
+            if not self.policy.shard_optimizer:
+                return owned.clone()
+            out = torch.empty(self.layout.padded_numel, dtype=owned.dtype, device=owned.device)
+            self._all_gather(out, owned)
+            return out
         if self.state is ParamState.GATHERED:
             return self.full.detach().clone()
-        out = torch.empty_like(self.full)
-        out.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        out = torch.empty(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
         self._all_gather(out, self.shard)
         return out
 
@@ -151,7 +173,7 @@ class FlatParam:
         """Move `param.grad` into the flat gradient buffer; True once every parameter has reported."""
         slot = self.slot_of[id(param)]
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
-            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
+            self.grad_full = torch.zeros_like(self.full)
         self.grad_full[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
         param.grad = None
         self._pending.discard(id(param))
@@ -159,35 +181,69 @@ class FlatParam:
 
     def reduce_grads(self) -> None:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard."""
-        full = self.grad_full
-        if full is None:  # no parameter of this buffer got a gradient here: it contributes zeros
-            full = torch.zeros(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
-        full.div_(self.comm.world_size)
+        full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
         if not self.policy.shard_optimizer:
-            step = max(1, self.buckets.reduce)
-            for a in range(0, full.numel(), step):
-                self.comm.all_reduce(full[a:a + step])
-        elif not self.policy.shard_grads:
-            self._reduce_scatter(self.grad_shard, full)  # in place: grad_shard aliases its slice
+            self._all_reduce_mean(full)
         else:
-            if self.has_grad:  # a second backward before the step: add to what is there
-                fresh = torch.empty_like(self.grad_shard)
-                self._reduce_scatter(fresh, full)
-                self.grad_shard.add_(fresh)
-            else:
-                self._reduce_scatter(self.grad_shard, full)
+            self._reduce_scatter_mean(self.grad_shard, full, accumulate=self.policy.shard_grads and self.has_grad)
+        if self.policy.shard_grads:
             self.grad_full = None
         self.has_grad, self.reduced = True, True
         self._pending = set(self.slot_of)
 
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+    def _all_reduce_mean(self, full: torch.Tensor) -> None:
+        step = max(1, self.buckets.reduce)
+        for a in range(0, full.numel(), step):
+            bucket = full[a:a + step].to(self.precision.reduce_dtype)  # a view when dtypes agree
+            bucket.div_(self.comm.world_size)
+            self.comm.all_reduce(bucket)
+            if bucket.dtype != full.dtype:
+                full[a:a + step].copy_(bucket)
+
+    def _reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, accumulate: bool) -> None:
         chunks = self.layout.shard_chunks(self.buckets.reduce)
-        if len(chunks) == 1:
-            self.comm.reduce_scatter(out, full)
+        dtype, n = self.precision.reduce_dtype, self.comm.world_size
+        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
+            full.div_(n)
+            self.comm.reduce_scatter(out, full)  # in place when `out` aliases its slice of `full`
             return
-        rows = full.view(self.comm.world_size, -1)
-        for a, b in chunks:  # constant-size bucket: one column block of every rank's part
-            self.comm.reduce_scatter(out[a:b], rows[:, a:b].contiguous().view(-1))
+        rows = full.view(n, -1)
+        for a, b in chunks:  # constant-size buckets, converted to the reduction dtype on the way
+            bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
+            reduced = torch.empty(b - a, dtype=dtype, device=full.device)
+            self.comm.reduce_scatter(reduced, bucket)
+            if accumulate:
+                out[a:b].add_(reduced)
+            else:
+                out[a:b].copy_(reduced)
+
+    def local_grad(self) -> torch.Tensor:
+        """The reduced gradient of what this rank updates (all of it at stage 0)."""
+        return self.grad_shard if self.policy.shard_optimizer else self.grad_full
+
+    def attach_master_grad(self, factor: float) -> None:
+        """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
+        one multiply): an alias of the reduced gradient where possible, else a temporary copy."""
+        grad = self.local_grad()
+        if grad.dtype != torch.float32 or grad.device != self.master.device:
+            grad = grad.to(self.master.device, torch.float32)
+        self.opt_param.grad = grad.mul_(factor) if factor != 1.0 else grad
+
+    def write_back(self) -> None:
+        """After the optimizer step: refresh the compute-dtype parameters from the master, then
+        all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered)."""
+        self.opt_param.grad = None  # a copy, if one was made, is freed here
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        with torch.no_grad():
+            if self.master is not updated:
+                updated.copy_(self.master)
+            if self.policy.shard_optimizer and self.persistent:
+                self._all_gather(self.full, self.shard)
+
+    def end_backward(self) -> None:
+        """Forget which parameters reported during the backward that just ended."""
+        self._pending = set(self.slot_of) if self.trainable else set()
+        self.reduced = False
 
     def zero_grad(self) -> None:
         if self.grad_full is not None and not self.policy.shard_grads:
@@ -198,19 +254,19 @@ class FlatParam:
 
     # ---- accounting ---------------------------------------------------------------------------
     def bytes_held(self) -> dict[str, int]:
-        """Bytes by category: persistent params / grads, and temporaries alive right now."""
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
+        """Bytes by category: persistent params / grads / master copy, and temporaries alive now."""
         sharded_g = self.policy.shard_grads
         if not self.policy.shard_params:
-            params, gathered_temp = nbytes(self.full), 0
+            params, gathered_temp = _nbytes(self.full), 0
         elif self.persistent:  # stage 3 below the persistence threshold: shard and full both kept
-            params, gathered_temp = nbytes(self.shard) + nbytes(self.full), 0
+            params, gathered_temp = _nbytes(self.shard) + _nbytes(self.full), 0
         else:
-            params = nbytes(self.shard)
-            gathered_temp = nbytes(self.full) if self.state is ParamState.GATHERED else 0
+            params = _nbytes(self.shard)
+            gathered_temp = _nbytes(self.full) if self.state is ParamState.GATHERED else 0
+        separate = self.trainable and self.precision.separate_master
         return {
             "params": params,
-            "grads": nbytes(self.grad_shard) if sharded_g else nbytes(self.grad_full),
-            "temporary": gathered_temp + (nbytes(self.grad_full) if sharded_g else 0),
+            "grads": _nbytes(self.grad_shard) if sharded_g else _nbytes(self.grad_full),
+            "master": _nbytes(self.master) if separate else 0,
+            "temporary": gathered_temp + (_nbytes(self.grad_full) if sharded_g else 0),
         }

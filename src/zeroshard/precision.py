@@ -1,0 +1,94 @@
+"""Mixed precision: which dtype each model state is kept in, and fp16 dynamic loss scaling.
+
+The paper's K = 12 made concrete. Parameters and gradients live in the compute dtype (2Ψ + 2Ψ in
+bf16/fp16); the optimizer updates an fp32 master copy (4Ψ) with fp32 state (8Ψ for Adam); after
+each step the compute-dtype parameters are refreshed from the master. With fp32 training and no
+offload, the master *is* the parameter storage: nothing is copied.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("zeroshard")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """dtypes of the model states; `offload` moves master weights and optimizer state to the host."""
+
+    param_dtype: torch.dtype = torch.float32        # compute dtype: parameters, gradients, gathers
+    reduce_dtype: torch.dtype = torch.float32       # dtype gradients are communicated in
+    accumulate_dtype: torch.dtype = torch.float32   # stages 2-3: dtype of the persistent gradient shard
+    offload: bool = False
+    pin_memory: bool = False
+
+    @property
+    def separate_master(self) -> bool:
+        """Does the optimizer update its own fp32 copy rather than the parameters themselves?"""
+        return self.param_dtype != torch.float32 or self.offload
+
+    def master_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.offload else device
+
+
+@dataclass
+class ScalerConfig:
+    """DeepSpeed's fp16 knobs. loss_scale 0 means dynamic, starting at 2**initial_scale_power."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+class LossScaler:
+    """Dynamic loss scaling with DeepSpeed's semantics: the first `hysteresis - 1` overflows skip the
+    step without shrinking, later ones halve the scale; `loss_scale_window` clean steps in a row double
+    it and restore the hysteresis. Overflow decisions are global: the engine all-reduces
+    an overflow flag, so every rank skips the same steps and the ranks never diverge.
+    """
+
+    def __init__(self, cfg: ScalerConfig | None) -> None:
+        self.enabled = cfg is not None
+        self.cfg = cfg or ScalerConfig(loss_scale=1.0)
+        self.dynamic = self.enabled and self.cfg.loss_scale == 0
+        self.scale = 2.0 ** self.cfg.initial_scale_power if self.dynamic else float(self.cfg.loss_scale)
+        self._tolerance = self.cfg.hysteresis
+        self._clean_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, overflow: bool, step: int) -> None:
+        """Record one optimizer step's outcome; raise if overflow persists at the minimum scale."""
+        if not overflow:
+            self._clean_steps += 1
+            if self.dynamic and self._clean_steps % self.cfg.loss_scale_window == 0:
+                self.scale *= 2.0
+                self._tolerance = self.cfg.hysteresis
+            return
+        self.skipped_steps += 1
+        self._clean_steps = 0
+        if not self.dynamic:
+            logger.warning("step %d skipped: gradient overflow at static loss scale %g", step, self.scale)
+            return
+        if self._tolerance > 1:  # hysteresis: tolerate this overflow without shrinking
+            self._tolerance -= 1
+        elif self.scale <= self.cfg.min_loss_scale:
+            raise FloatingPointError(
+                f"fp16 gradients overflow at the minimum loss scale ({self.cfg.min_loss_scale:g}) at step "
+                f"{step}: training cannot continue. Look for inf/nan in the data or the loss, lower the "
+                f"learning rate, or train in bf16 (\"bf16\": {{\"enabled\": true}}).")
+        else:
+            self.scale = max(self.scale / 2.0, self.cfg.min_loss_scale)
+        logger.warning("step %d skipped: gradient overflow; loss scale now %g", step, self.scale)
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "tolerance": self._tolerance, "clean_steps": self._clean_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._tolerance = float(state["scale"]), int(state["tolerance"])
+        self._clean_steps, self.skipped_steps = int(state["clean_steps"]), int(state["skipped_steps"])
