@@ -39,6 +39,7 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ["offload_optimizer.device", "nvme is not implemented"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, ["offload_optimizer.ratio", "does not implement"]),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param", "does not implement"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer needs", "stage >= 1"]),
     ({"zero_optimization": {"overlap_comm": True}}, ["overlap_comm", "set it to false"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
     ({"zero_optimization": {"reduce_scatter": False}}, ["reduce_scatter", "set it to true"]),
@@ -72,7 +73,8 @@ def test_precision_sections():
     cfg = Config.load({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
                        "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
                        "communication_data_type": "fp32",
-                       "zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+                       "zero_optimization": {"stage": 1,
+                                             "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
     assert cfg.precision == "fp16" and cfg.scaler.initial_scale_power == 8 and cfg.scaler.hysteresis == 1
     assert cfg.gradient_accumulation_steps == 4 and cfg.gradient_clipping == 1.0
     assert cfg.zero.offload_optimizer and cfg.zero.offload_pin_memory
