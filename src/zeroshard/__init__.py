@@ -11,28 +11,32 @@ import os
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import CheckpointError, consolidate
 from .comm import Comm, ensure_process_group
 from .config import Config, ConfigError
 from .engine import Engine, ModelMismatchError
 from .memory import paper_model_state_bytes
 from .optim import OptimizerSpec
 
-__all__ = ["initialize", "Config", "ConfigError", "Engine", "ModelMismatchError", "paper_model_state_bytes"]
+__all__ = ["initialize", "consolidate", "Config", "ConfigError", "CheckpointError", "Engine",
+           "ModelMismatchError", "paper_model_state_bytes"]
 __version__ = "0.1.0"
 
 
 def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
                config: "Config | dict | str | os.PathLike | None" = None,
                process_group: dist.ProcessGroup | None = None,
-               param_groups: list[dict] | None = None) -> Engine:
+               param_groups: list[dict] | None = None, lr_scheduler=None) -> Engine:
     """Wrap `model` for ZeRO data parallelism over `process_group` (default: the world).
 
     optimizer: a callable `params -> torch.optim.Optimizer`, an Optimizer class, or None to use the
     config's DeepSpeed-style "optimizer" section. param_groups: optional torch-style groups over the
     model's parameters (e.g. no weight decay for biases); each becomes its own set of flat shards.
+    lr_scheduler: optional scheduler, or callable optimizer -> scheduler, stepped by the engine
+    after each optimizer step that was not skipped, and saved in checkpoints.
     Without a process group, one is started from torchrun's variables, or as a single process.
     """
     cfg = Config.load(config)
     if process_group is None:
         ensure_process_group()
-    return Engine(model, optimizer, cfg, Comm(process_group), param_groups)
+    return Engine(model, optimizer, cfg, Comm(process_group), param_groups, lr_scheduler)

@@ -93,11 +93,39 @@ def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, n
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def _consolidate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("consolidate", help="write a checkpoint's full fp32 weights as one file",
+                       description="Gather a sharded zeroshard checkpoint (any world size, any stage) "
+                                   "into full fp32 weights under the model's own names, loadable with "
+                                   "model.load_state_dict() without zeroshard. No process group needed.")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a parent holding `latest`")
+    p.add_argument("output", help="output file: .safetensors or .pt")
+    return p
+
+
+def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from .checkpoint import CheckpointError, consolidate
+    if not args.output.endswith((".safetensors", ".pt")):
+        parser.error(f"output '{args.output}' must end in .safetensors or .pt")
+    try:
+        weights = consolidate(args.checkpoint)
+    except CheckpointError as e:
+        parser.error(str(e))
+    if args.output.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in weights.items()}, args.output)
+    else:
+        import torch
+        torch.save(weights, args.output)
+    print(f"wrote {len(weights)} tensors to {args.output}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO data parallelism for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     estimate = _estimate_parser(sub)
+    consolidate = _consolidate_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
@@ -106,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         launch(TrainArgs(**options))
     elif args.command == "estimate":
         _run_estimate(estimate, args)
+    elif args.command == "consolidate":
+        _run_consolidate(consolidate, args)
     return 0
 
 

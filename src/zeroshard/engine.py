@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import checkpoint
 from .comm import Comm
 from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
@@ -41,7 +42,7 @@ class Engine:
     """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
-                 param_groups: list[dict] | None = None) -> None:
+                 param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
         check_model(module)
         config.check_batch_sizes(comm.world_size)
         verify_same_on_every_rank(comm, module, config)
@@ -61,6 +62,10 @@ class Engine:
         groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
                   for i, opts in enumerate(options)]
         self.optimizer = build_optimizer(optimizer, config, [g for g in groups if g["params"]])
+        # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
+        # steps after every real optimizer step and saves in checkpoints.
+        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "state_dict") else lr_scheduler
         self._install_grad_hooks()
         if self.policy.shard_params:
             for unit in self.units:
@@ -162,9 +167,12 @@ class Engine:
             for flat in self.flats:
                 if flat.trainable:
                     flat.reduce_grads()
+        skipped = self.scaler.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
                                            self.global_steps)
+        if self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:
+            self.lr_scheduler.step()
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()
@@ -183,6 +191,39 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
+        """Collective. Each rank writes only what it owns; the checkpoint loads at any world size
+        and stage. Returns its path; `save_dir/latest` names it once every rank is done."""
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
+                               "accumulated gradients; save after the step() that ends the cycle")
+        extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "scaler": self.scaler.state_dict(), "config": self.config.raw,
+                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+                 "world_size": self.comm.world_size, "stage": self.config.stage,
+                 "state_dict_keys": self._state_dict_keys, "client_state": client_state}
+        with torch.no_grad(), self.comm.outside_step():
+            return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.flats, self.optimizer,
+                                   self.comm, self._buffers, extra)
+
+    def load_checkpoint(self, load_dir: str) -> Any:
+        """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
+        any world size and stage; returns the saved client_state. Nothing changes if it fails."""
+        with torch.no_grad(), self.comm.outside_step():
+            extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
+            for flat in self.flats:
+                flat.zero_grad()
+                if flat.trainable:
+                    flat.write_back()
+                elif flat.policy.shard_params and flat.persistent:
+                    flat.gather_into_full()
+        self.global_steps, self.micro_steps = extra["global_steps"], extra["micro_steps"]
+        self.scaler.load_state_dict(extra["scaler"])
+        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        return extra["client_state"]
 
     # ---- views and measurements -----------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

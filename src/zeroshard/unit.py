@@ -142,6 +142,11 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
+    def gather_into_full(self) -> None:
+        """Refresh a `full` that is kept gathered (persistent) from the shards."""
+        with torch.no_grad():
+            self._all_gather(self.full, self.shard)
+
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         chunks = self.layout.shard_chunks(self.buckets.gather)
         if len(chunks) == 1:
@@ -238,7 +243,7 @@ class FlatParam:
             if self.master is not updated:
                 updated.copy_(self.master)
             if self.policy.shard_optimizer and self.persistent:
-                self._all_gather(self.full, self.shard)
+                self._all_gather(self.full, self.shard)  # stages 1-2, and persistent stage-3 buffers
 
     def end_backward(self) -> None:
         """Forget which parameters reported during the backward that just ended."""
