@@ -14,7 +14,8 @@ from torch import nn
 from .checkpoint import CheckpointError, consolidate
 from .comm import Comm, ensure_process_group
 from .config import Config, ConfigError
-from .engine import Engine, ModelMismatchError
+from .checks import ModelMismatchError
+from .engine import Engine
 from .memory import paper_model_state_bytes
 from .optim import OptimizerSpec
 

@@ -9,8 +9,6 @@ One step, at every stage:
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import weakref
 from collections import Counter
@@ -23,6 +21,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .checks import check_model, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
@@ -32,10 +31,6 @@ from .unit import Buckets, FlatParam, StagePolicy
 from .wrap import Unit, assign_params, find_units
 
 logger = logging.getLogger("zeroshard")
-
-
-class ModelMismatchError(RuntimeError):
-    """Ranks built different models or configs: training them together would corrupt or hang."""
 
 
 class Engine:
@@ -269,27 +264,6 @@ def _grad_ready(engine: "weakref.ref[Engine]", unit_index: int, flat_index: int,
         live._on_grad(unit_index, flat_index, param)
 
 
-def check_model(module: nn.Module) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"initialize() needs a torch.nn.Module, got {type(module).__name__}")
-    params = dict(module.named_parameters())
-    if not any(p.requires_grad for p in params.values()):
-        raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
-                         "there is nothing to optimize")
-    for name, p in params.items():
-        if p.is_meta:
-            raise ValueError(f"parameter '{name}' is on the meta device; materialize the model "
-                             f"(e.g. model.to_empty(device=...) and initialize it) first")
-    dtypes = {p.dtype for p in params.values()}
-    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
-        raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
-                         f"convert the model with model.float() (for mixed precision, keep it fp32 "
-                         f"and enable \"bf16\" or \"fp16\" in the config)")
-    devices = {p.device for p in params.values()}
-    if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-
-
 def _precision(config: Config) -> Precision:
     compute = config.dtype(None)
     # With accumulation, stages 2-3 add each micro-batch's reduced gradient into the shard: in fp32,
@@ -315,28 +289,3 @@ def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
             if b is not None and name not in m._non_persistent_buffers_set:
                 out[f"{prefix}.{name}" if prefix else name] = b
     return out
-
-
-def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
-    entries = [f"config {json.dumps(config.raw, sort_keys=True, default=str)}", f"world size {world_size}"]
-    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-                for n, p in module.named_parameters(remove_duplicate=False)]
-    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-    return entries
-
-
-def verify_same_on_every_rank(comm: Comm, module: nn.Module, config: Config) -> None:
-    """Refuse to start if ranks disagree on the model or config (they would hang or corrupt)."""
-    signature = _signature(module, config, comm.world_size)
-    digest = hashlib.sha256("\n".join(signature).encode()).hexdigest()
-    digests = comm.all_gather_objects(digest)
-    if len(set(digests)) == 1:
-        return
-    signatures = comm.all_gather_objects(signature)
-    rank = next(r for r, d in enumerate(digests) if d != digests[0])
-    ours, theirs = signatures[0], signatures[rank]
-    diff = next(((a, b) for a, b in zip(ours, theirs) if a != b), None)
-    detail = (f"rank 0 has '{diff[0]}', rank {rank} has '{diff[1]}'" if diff else
-              f"rank 0 has {len(ours)} entries, rank {rank} has {len(theirs)}")
-    raise ModelMismatchError(f"ranks disagree on the model or config: {detail}. Build the same model "
-                             f"with the same config on every rank.")

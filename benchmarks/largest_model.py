@@ -1,0 +1,265 @@
+"""Largest GPT that zeroshard stages 0-3 can train within a per-process memory budget, on CPU with gloo.
+
+For each stage, at --nproc ranks: doubling then bisection over depth (layers) at a fixed width. A trial
+builds the GPT on every rank, wraps it with zeroshard and runs 2 fp32 AdamW steps, all in fresh
+processes. It fits if every rank exits cleanly and its peak RSS (ru_maxrss) stays within --budget-gib.
+A rank over budget is killed at once by a watchdog (so the machine never runs out), and an address-space
+limit (RLIMIT_AS = budget + 2 GiB) turns a runaway allocation into an error. Out-of-memory errors count
+as "does not fit"; any other error stops the search. Paper's target: stage 3 >= 3.5x stage 0 at 4 ranks.
+
+    python benchmarks/largest_model.py                    # full run: 4 ranks x 5 GiB, width 1024
+    python benchmarks/largest_model.py --quick            # smoke test, about a minute
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import queue
+import resource
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import zeroshard
+from zeroshard.gpt import GPT, GPTConfig, lm_loss
+
+GiB, MiB = 2**30, 2**20
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+OOM_MARKERS = ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
+
+
+@dataclass
+class Trial:
+    layers: int
+    fits: bool
+    psi: int = 0
+    peak_init_mib: float = 0.0  # largest rank's peak RSS after zeroshard.initialize
+    peak_mib: float = 0.0       # largest rank's peak RSS after the training steps
+    model_states_mib: float = 0.0
+    reason: str = ""
+    seconds: float = 0.0
+
+
+# ---- one rank of one trial (a fresh forked process) ----------------------------------------------
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def rank_main(rank: int, port: int, layers: int, stage: int, args: argparse.Namespace, results: mp.Queue) -> None:
+    limit = int(args.budget_gib * GiB) + 2 * GiB
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if args.mmap_threshold_kib:  # glibc: serve blocks >= this from mmap, returned to the OS when freed
+        ctypes.CDLL(None).mallopt(-3, args.mmap_threshold_kib * 1024)  # -3 = M_MMAP_THRESHOLD
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=args.nproc)
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(GPT(gpt_config(layers, args)), config={"zero_optimization": {"stage": stage}},
+                                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=False))
+        peak_init, states = peak_rss_mib(), 0
+        for step in range(args.steps):
+            tokens = torch.randint(256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step))
+            engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
+            states = max(states, engine.memory_stats()["model_states"])
+            engine.step()
+        results.put((rank, "ok", engine.num_parameters(), peak_init, peak_rss_mib(), states / MiB))
+        dist.destroy_process_group()
+    except BaseException as e:  # report every failure, out-of-memory or not, to the parent
+        detail = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        results.put((rank, "error", 0, 0.0, peak_rss_mib(), 0.0, detail))
+        results.close()
+        results.join_thread()
+        os._exit(3)  # do not wait for peers stuck in a collective
+
+
+# ---- the parent: run a trial, watch its memory, decide ---------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpt_config(layers: int, args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(seq_len=args.seq, layers=layers, width=args.width, heads=max(1, args.width // 64))
+
+
+def count_params(layers: int, args: argparse.Namespace) -> int:
+    with torch.device("meta"):  # no memory: just the shapes
+        return sum(p.numel() for p in GPT(gpt_config(layers, args)).parameters())
+
+
+def run_trial(layers: int, stage: int, args: argparse.Namespace) -> Trial:
+    ctx, budget_mib, t0 = mp.get_context("fork"), args.budget_gib * 1024, time.time()
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, port, layers, stage, args, results), daemon=True)
+             for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    reason = watch(procs, budget_mib, args.timeout)
+    for p in procs:  # a failed or over-budget trial: stop every rank, so none hangs or holds memory
+        if p.is_alive():
+            p.kill()
+        p.join()
+    rows = drain(results)
+    reason = reason or failure(rows, [p.exitcode for p in procs], f"{layers} layers at stage {stage}")
+    trial = Trial(layers, fits=False, psi=count_params(layers, args), reason=reason, seconds=time.time() - t0)
+    if rows:
+        trial.peak_mib = max(row[4] for row in rows)
+    if not reason:
+        trial.peak_init_mib = max(row[3] for row in rows)
+        trial.model_states_mib = max(row[5] for row in rows)
+        trial.fits = trial.peak_mib <= budget_mib
+        trial.reason = "" if trial.fits else f"peak RSS {trial.peak_mib:.0f} MiB > budget"
+    return trial
+
+
+def failure(rows: list[tuple], exit_codes: list[int], what: str) -> str:
+    """'' if every rank finished; why not, if out of memory or killed; raises on any other error."""
+    errors = [row[6] for row in rows if row[1] == "error"]
+    oom = [e for e in errors if any(m in e for m in OOM_MARKERS)]
+    if oom:
+        return "out of memory: " + oom[0].splitlines()[0][:120]
+    if any(code is not None and code < 0 for code in exit_codes):  # e.g. SIGKILL, SIGABRT on bad_alloc
+        return f"a rank was killed: exit codes {exit_codes}"
+    if errors or len(rows) < len(exit_codes):
+        raise RuntimeError(f"trial with {what} failed (not out of memory), exit codes {exit_codes}:\n"
+                           + (errors[0] if errors else "a rank exited without a report"))
+    return ""
+
+
+def watch(procs: list, budget_mib: float, timeout: float) -> str:
+    """Poll every rank's RSS until all exit; return why the trial was stopped, or '' if it ended."""
+    start = time.time()
+    while any(p.is_alive() for p in procs):
+        for p in procs:
+            try:
+                rss = psutil.Process(p.pid).memory_info().rss / MiB
+            except psutil.Error:
+                continue
+            if rss > budget_mib:
+                return f"killed: RSS {rss:.1f} MiB > budget {budget_mib:.1f} MiB"
+        if any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(0.5)  # let the failing rank's report arrive
+            return ""
+        if time.time() - start > timeout:
+            return f"timeout after {timeout:.0f} s"
+        time.sleep(0.05)
+    return ""
+
+
+def drain(results: mp.Queue) -> list[tuple]:
+    rows = []
+    while True:
+        try:
+            rows.append(results.get(timeout=0.2))
+        except queue.Empty:
+            return rows
+
+
+# ---- the search ----------------------------------------------------------------------------------
+def largest(stage: int, start: int, args: argparse.Namespace, log: list[dict]) -> Trial | None:
+    """Doubling from `start` layers until a trial does not fit, then bisection to --tol."""
+    def attempt(layers: int) -> Trial:
+        t = run_trial(layers, stage, args)
+        log.append({"stage": stage, **asdict(t)})
+        peak = f"peak {t.peak_mib:.0f} MiB (after init {t.peak_init_mib:.0f})" if t.peak_init_mib else ""
+        print(f"stage {stage} layers {layers:4d} Ψ={t.psi:,}: {'fits' if t.fits else 'does not fit'} "
+              f"{peak} {t.reason} [{t.seconds:.0f} s]", flush=True)
+        return t
+    best, layers = None, max(1, start)
+    while layers <= args.max_layers:
+        t = attempt(layers)
+        if not t.fits:
+            break
+        best, layers = t, layers * 2
+    lo, hi = (best.layers if best else 0), min(layers, args.max_layers + 1)  # lo fits, hi does not
+    while hi - lo > max(1, int(args.tol * lo)):
+        mid = (lo + hi) // 2
+        t = attempt(mid)
+        if t.fits:
+            best, lo = t, mid
+        else:
+            hi = mid
+    return best
+
+
+def paper_ratio(stage: int, n: int) -> float:
+    """Largest Ψ relative to stage 0 if only fp32 Adam model states (16 bytes/param at stage 0) counted."""
+    return 16 / {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
+
+
+def report(args: argparse.Namespace, best: dict[int, Trial | None]) -> str:
+    base = best.get(0)
+    lines = [f"Largest GPT (width {args.width}, seq {args.seq}, batch {args.batch}/rank, {args.steps} fp32 AdamW "
+             f"steps) within {args.budget_gib:g} GiB peak RSS per rank, {args.nproc} ranks x 1 thread, gloo, "
+             f"glibc mmap threshold {args.mmap_threshold_kib or 'default'}", "",
+             "| stage | layers | Ψ | x stage 0 | paper, model states only | peak RSS/rank (MiB) | "
+             "peak after init (MiB) | model states/rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    for stage, t in best.items():
+        if t is None:
+            lines.append(f"| {stage} | none fits | - | - | {paper_ratio(stage, args.nproc):.2f} | - | - | - |")
+            continue
+        ratio = f"{t.psi / base.psi:.2f}" if base else "-"
+        lines.append(f"| {stage} | {t.layers} | {t.psi:,} | {ratio} | {paper_ratio(stage, args.nproc):.2f} | "
+                     f"{t.peak_mib:.0f} | {t.peak_init_mib:.0f} | {t.model_states_mib:.0f} |")
+    if base and best.get(3) and args.nproc == 4:
+        ratio = best[3].psi / base.psi
+        lines += ["", f"stage 3 / stage 0 = {ratio:.2f} (the paper's target at 4 ranks: >= 3.5): "
+                      f"{'met' if ratio >= 3.5 else 'NOT met'}"]
+    return "\n".join(lines)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--budget-gib", type=float, default=5.0, help="peak RSS per rank (default 5: 4 ranks in 20 GiB)")
+    p.add_argument("--width", type=int, default=1024, help="fixed width; the search is over depth")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="per rank (small: model states dominate, as in the paper)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--tol", type=float, default=0.05, help="stop bisecting when hi - lo <= tol * lo layers")
+    p.add_argument("--max-layers", type=int, default=1024)
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per trial")
+    p.add_argument("--mmap-threshold-kib", type=int, default=0,
+                   help="pin glibc's mmap threshold (e.g. 64), so freed tensors leave RSS; default: glibc's own")
+    p.add_argument("--quick", action="store_true", help="smoke test: 2 ranks x 0.6 GiB, width 256, coarse search")
+    args = p.parse_args()
+    if args.quick:
+        args.nproc, args.budget_gib, args.width, args.seq, args.tol = 2, 0.6, 256, 32, 0.25
+    args.stages = [int(s) for s in args.stages.split(",")]
+    return args
+
+
+def main() -> None:
+    args = parse()
+    torch.set_num_threads(1)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # torch.optim's first use imports ~3 s of
+    # modules (torch._dynamo): do it once here, where every forked trial inherits it
+    best: dict[int, Trial | None] = {}
+    log: list[dict] = []
+    start = 1
+    for stage in args.stages:  # a later stage holds less per rank: start where the previous one ended
+        best[stage] = largest(stage, start, args, log)
+        start = best[stage].layers if best[stage] else 1
+    text = report(args, best)
+    print(text)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "largest_model.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(OUT, "largest_model.json"), "w") as f:
+        json.dump({"args": vars(args), "trials": log}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

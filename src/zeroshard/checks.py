@@ -1,0 +1,61 @@
+"""Checks made before any buffer is built: is the model usable, and did every rank build the same
+model with the same config? (Ranks that disagree would hang in, or be corrupted by, collectives.)"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from torch import nn
+
+from .comm import Comm
+from .config import Config
+
+
+class ModelMismatchError(RuntimeError):
+    """Ranks built different models or configs: training them together would corrupt or hang."""
+
+
+def check_model(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"initialize() needs a torch.nn.Module, got {type(module).__name__}")
+    params = dict(module.named_parameters())
+    if not any(p.requires_grad for p in params.values()):
+        raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
+                         "there is nothing to optimize")
+    for name, p in params.items():
+        if p.is_meta:
+            raise ValueError(f"parameter '{name}' is on the meta device; materialize the model "
+                             f"(e.g. model.to_empty(device=...) and initialize it) first")
+    dtypes = {p.dtype for p in params.values()}
+    if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
+        raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
+                         f"convert the model with model.float() (for mixed precision, keep it fp32 "
+                         f"and enable \"bf16\" or \"fp16\" in the config)")
+    devices = {p.device for p in params.values()}
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+
+
+def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
+    entries = [f"config {json.dumps(config.raw, sort_keys=True, default=str)}", f"world size {world_size}"]
+    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+                for n, p in module.named_parameters(remove_duplicate=False)]
+    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    return entries
+
+
+def verify_same_on_every_rank(comm: Comm, module: nn.Module, config: Config) -> None:
+    """Refuse to start if ranks disagree on the model or config (they would hang or corrupt)."""
+    signature = _signature(module, config, comm.world_size)
+    digest = hashlib.sha256("\n".join(signature).encode()).hexdigest()
+    digests = comm.all_gather_objects(digest)
+    if len(set(digests)) == 1:
+        return
+    signatures = comm.all_gather_objects(signature)
+    rank = next(r for r, d in enumerate(digests) if d != digests[0])
+    ours, theirs = signatures[0], signatures[rank]
+    diff = next(((a, b) for a, b in zip(ours, theirs) if a != b), None)
+    detail = (f"rank 0 has '{diff[0]}', rank {rank} has '{diff[1]}'" if diff else
+              f"rank 0 has {len(ours)} entries, rank {rank} has {len(theirs)}")
+    raise ModelMismatchError(f"ranks disagree on the model or config: {detail}. Build the same model "
+                             f"with the same config on every rank.")
