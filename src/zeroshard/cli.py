@@ -8,24 +8,45 @@ import sys
 from .gpt import SIZES
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a small GPT with ZeRO on local ranks",
-                       description="Train a byte-level GPT on the Python standard library's source "
-                                   "(or --data) with ZeRO across local ranks, and report memory and "
-                                   "traffic beside the paper's formulas.")
-    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps in total (default {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size (default small)")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--width", type=int, help="override the model width")
+    p.add_argument("--hf-config", help="a Hugging Face config.json: train that architecture from scratch "
+                                       "(needs transformers)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="fp32, or mixed precision with fp32 master weights (default fp32)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the stdlib's source)")
-    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage overrides its stage)")
+    p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
+                                                         "Python standard library's own source)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage and --precision override it)")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a small GPT with ZeRO on local ranks",
+                       description="Train a byte-level GPT on the Python standard library's source "
+                                   "(or --data) with ZeRO across local ranks; report memory and traffic "
+                                   "beside the paper's formulas, plot the loss, sample text, checkpoint.")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
+                                                          "--nproc) up to --steps in total")
+    _add_training_options(p, steps=300)
+
+
+def _compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="train the same model with DDP and each ZeRO stage, side by side",
+                       description="Train the same model on the same data without ZeRO (torch DDP) and "
+                                   "with each ZeRO stage; print time, memory and loss per run and write "
+                                   "a bar chart (OUT/compare.png).")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                   help="ZeRO stages to run (default 0 1 2 3)")
+    _add_training_options(p, steps=30)
 
 
 def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -120,18 +141,37 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     print(f"wrote {len(weights)} tensors to {args.output}")
 
 
+def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
+    from .data import check_paths
+    from .train import TrainArgs, build_model, launch
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "stages")}
+    train_args = TrainArgs(**options)
+    try:  # fail here, in one process, rather than in every rank
+        check_paths(args.data)
+        if args.config:
+            train_args.engine_config()
+        if args.hf_config:
+            build_model(train_args)
+    except (OSError, ValueError, RuntimeError) as e:
+        parser.error(str(e))
+    if args.command == "train":
+        launch(train_args)
+    else:
+        from .compare import compare
+        compare(train_args, args.stages)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO data parallelism for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _compare_parser(sub)
     estimate = _estimate_parser(sub)
     consolidate = _consolidate_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "train":
-        _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
-        from .train import TrainArgs, launch
-        options = {k: v for k, v in vars(args).items() if k != "command"}
-        launch(TrainArgs(**options))
+    if args.command in ("train", "compare"):
+        _run_training(parser, args)
     elif args.command == "estimate":
         _run_estimate(estimate, args)
     elif args.command == "consolidate":

@@ -33,6 +33,12 @@ def load_corpus(paths: list[str] | None, max_bytes: int = 4_000_000) -> torch.Te
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
+def check_paths(paths: list[str]) -> None:
+    """Raise a clear error now for a --data path that is missing, unreadable or empty."""
+    if paths:
+        _expand(paths)
+
+
 def _expand(paths: list[str]) -> list[str]:
     files = []
     for path in paths:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,17 +77,19 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, generator: torch.Generator,
-                 temperature: float = 0.8, top_k: int = 40) -> torch.Tensor:
-        """Sample continuations. Under stage 3 every rank must call this together (gathers)."""
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.seq_len:])[:, -1] / temperature
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-            probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx
+
+@torch.no_grad()
+def sample(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, new_tokens: int,
+           context: int, generator: torch.Generator, temperature: float = 0.8, top_k: int = 40) -> torch.Tensor:
+    """Top-k sampling from any causal LM given as idx -> logits. Under ZeRO stage 3 every rank must
+    call this together (each forward gathers parameters), with the same generator seed."""
+    for _ in range(new_tokens):
+        logits = logits_of(idx[:, -context:])[:, -1].float() / temperature
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return idx
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -1,55 +1,75 @@
 """`zeroshard train`: a small GPT trained with ZeRO on local ranks, with the paper's figures on screen.
 
-The launcher starts one process per rank through torch's elastic launcher (what torchrun uses); each
-rank runs `worker`, which reads top to bottom like any training loop.
+`launch` starts one process per rank through torch's elastic launcher (what torchrun uses); each
+rank runs `worker`, which reads top to bottom like any training loop. `zeroshard compare` runs the
+same worker once per stage and once with plain torch DDP (`stage=-1`) as the baseline.
 """
 from __future__ import annotations
 
 import os
+import resource
 import socket
+import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import zeroshard
 
+from .comm import ensure_process_group
 from .data import Batches, load_corpus
-from .gpt import GPT, SIZES, GPTConfig, lm_loss
-from .memory import paper_model_state_bytes
+from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
+from .memory import optimizer_state_bytes, tensor_bytes
+from .report import MIB, BYTES_PER_PARAM, memory_table, plot_losses, traffic_line
+
+DDP = -1  # the stage value meaning "no ZeRO: torch DistributedDataParallel"
 
 
 @dataclass
 class TrainArgs:
     stage: int = 3
     nproc: int = 2
-    steps: int = 50
+    steps: int = 300
     batch_size: int = 8          # per rank
     seq_len: int = 64
     size: str = "small"
     layers: int | None = None
     width: int | None = None
     lr: float = 3e-3
+    precision: str = "fp32"
     data: list[str] = field(default_factory=list)
-    config: str | None = None    # a DeepSpeed-style JSON; --stage overrides its stage
+    config: str | None = None    # a DeepSpeed-style JSON; --stage and --precision override it
+    hf_config: str | None = None  # a Hugging Face config.json: that architecture, built from scratch
     out: str = "out"
+    resume: bool = False
+    sample_tokens: int = 160
     seed: int = 0
+    quiet: bool = False          # compare: no progress bar, no report
 
-    def model_config(self) -> GPTConfig:
-        layers, width, heads = SIZES[self.size]
-        width = self.width or width
-        return GPTConfig(seq_len=self.seq_len, layers=self.layers or layers, width=width,
-                         heads=heads if width % heads == 0 else 1)
-
-    def engine_config(self) -> zeroshard.Config:
+    def engine_config(self) -> dict[str, Any]:
         raw = dict(zeroshard.Config.load(self.config).raw) if self.config else {}
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
-        return zeroshard.Config.load(raw)
+        for name in ("bf16", "fp16"):
+            raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
+        return raw
 
 
-def launch(args: TrainArgs) -> None:
-    """Run `worker` on args.nproc local ranks (one per GPU where there are GPUs)."""
+def build_model(args: TrainArgs) -> nn.Module:
+    if args.hf_config:
+        from .hf import causal_lm_from_config
+        return causal_lm_from_config(args.hf_config, args.seq_len)
+    layers, width, heads = SIZES[args.size]
+    width = args.width or width
+    return GPT(GPTConfig(seq_len=args.seq_len, layers=args.layers or layers, width=width,
+                         heads=heads if width % heads == 0 else 1))
+
+
+def launch(args: TrainArgs) -> dict[str, Any]:
+    """Run `worker` on args.nproc local ranks; returns rank 0's results."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,72 +77,136 @@ def launch(args: TrainArgs) -> None:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"zeroshard-{port}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
                           monitor_interval=0.2)
-    elastic_launch(config, worker)(args)
+    return elastic_launch(config, worker)(args)[0]
 
 
-def worker(args: TrainArgs) -> None:
+def worker(args: TrainArgs) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+    ensure_process_group()  # from the launcher's variables (initialize would, but DDP does not)
     torch.manual_seed(args.seed)
-    config = args.engine_config()
-    model = GPT(args.model_config())
-    engine = zeroshard.initialize(model, lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1), config)
+    model = build_model(args)
+    make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1)  # noqa: E731
+    engine = DDPBaseline(model, make_opt) if args.stage == DDP else \
+        zeroshard.initialize(model, make_opt, args.engine_config())
     rank, world = dist.get_rank(), dist.get_world_size()
     data = Batches(load_corpus(args.data or None), args.seq_len)
-    batch_rng = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
-
-    progress = _progress(args.steps, rank)
-    losses, tokens, start = [], 0, time.perf_counter()
-    for step in range(args.steps):
+    checkpoints = os.path.join(args.out, "checkpoints")
+    history: list[float] = []
+    if args.resume:
+        history = engine.load_checkpoint(checkpoints)["losses"]
+    progress = _progress(args, rank, initial=len(history))
+    times, tokens = [], 0
+    for step in range(len(history), args.steps):
+        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * world + rank)
         x, y = data.get("train", args.batch_size, batch_rng)
-        loss = lm_loss(engine(x), y)
+        start = time.perf_counter()
+        loss = lm_loss(logits_of(engine(x)), y)
         engine.backward(loss)
         engine.step()
-        losses.append(_mean_over_ranks(loss))
+        times.append(time.perf_counter() - start)
+        history.append(_mean_over_ranks(loss))
         tokens += x.numel() * world
-        mem = engine.memory_stats()["model_states"] / 2**20
-        progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - start):.0f}",
-                             states_MiB=f"{mem:.1f}")
+        progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
+                             states_MiB=f"{engine.memory_stats()['model_states'] / MIB:.1f}")
         progress.update()
     progress.close()
-
     val = _evaluate(engine, data, args)
-    report = _report(engine, args, losses[-1], val)
-    if rank == 0:
-        print(report)
+    stats = engine.memory_stats()
+    if args.stage != DDP:
+        engine.save_checkpoint(checkpoints, client_state={"losses": history, "args": asdict(args)})
+    text = _sample(engine, args)
+    per_rank = _gather(stats)  # collective: every rank takes part
+    peak_rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0 and not args.quiet:
+        _report(engine, args, per_rank, history, val, text)
+    return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
+            "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
+            "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": _psi(engine)}
 
 
-def _progress(steps: int, rank: int):
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output  # Hugging Face models
+
+
+def _progress(args: TrainArgs, rank: int, initial: int):
     from tqdm import tqdm
-    return tqdm(total=steps, disable=rank != 0, desc="train", dynamic_ncols=True)
+    return tqdm(total=args.steps, initial=initial, disable=rank != 0 or args.quiet, desc="train",
+                dynamic_ncols=True)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().clone()
+    value = value.detach().float().clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
+
+
+def _gather(value: Any) -> list[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _psi(engine) -> int:
+    return engine.num_parameters()
 
 
 @torch.no_grad()
 def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
     rng = torch.Generator().manual_seed(12345 + dist.get_rank())
-    losses = [lm_loss(engine(x), y) for x, y in (data.get("val", args.batch_size, rng) for _ in range(batches))]
+    losses = [lm_loss(logits_of(engine(x)), y) for x, y in (data.get("val", args.batch_size, rng)
+                                                           for _ in range(batches))]
     return _mean_over_ranks(torch.stack(losses).mean())
 
 
-def _report(engine, args: TrainArgs, train_loss: float, val_loss: float) -> str:
-    """Model-state bytes per rank beside the paper's formula, traffic beside 2Ψ / 3Ψ, losses."""
-    stage, world = args.stage, dist.get_world_size()
-    per_rank = engine.comm.all_gather_objects(engine.memory_stats())
-    psi = engine.num_parameters()
-    traffic = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
-    formula = paper_model_state_bytes(psi, world, stage, 4, 4, 8)
-    mib = 2**20
-    lines = [f"\nGPT {args.model_config()}: Ψ = {psi:,} parameters, ZeRO stage {stage}, {world} ranks, fp32 AdamW",
-             f"{'rank':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'states':>10}   paper (MiB)"]
-    for r, s in enumerate(per_rank):
-        lines.append(f"{r:>6} {s['params'] / mib:>10.2f} {s['grads'] / mib:>10.2f} {s['optimizer'] / mib:>10.2f} "
-                     f"{s['model_states'] / mib:>10.2f}   {formula / mib:.2f}")
-    factor = 3 if stage == 3 else 2
-    lines.append(f"traffic per step: {traffic / mib:.2f} MiB (paper: {factor}Ψ = {factor * 4 * psi / mib:.2f} MiB)")
-    lines.append(f"loss: train {train_loss:.4f}, validation {val_loss:.4f}")
-    return "\n".join(lines)
+def _sample(engine, args: TrainArgs) -> str:
+    """Every rank samples together with the same seed (stage 3 gathers inside each forward)."""
+    if not args.sample_tokens:
+        return ""
+    prompt = torch.tensor([list(b"def ")])
+    out = sample(lambda idx: logits_of(engine(idx)), prompt, args.sample_tokens, args.seq_len,
+                 torch.Generator().manual_seed(args.seed))
+    return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
+
+
+def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
+            text: str) -> None:
+    psi, world = _psi(engine), dist.get_world_size()
+    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters; ZeRO stage {args.stage}, "
+          f"{world} ranks, {args.precision} AdamW ({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
+    for line in memory_table(per_rank, psi, args.stage, args.precision):
+        print(line)
+    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
+    print(traffic_line(step_bytes, psi, args.stage, args.precision))
+    print(f"loss: train {history[-1]:.4f}, validation {val:.4f}")
+    plot = os.path.join(args.out, "loss.png")
+    plot_losses(history, val, plot)
+    print(f"loss curve: {plot}; checkpoint: {os.path.join(args.out, 'checkpoints')} (resume with --resume)")
+    print("sample:\n" + "\n".join("  | " + line for line in text.splitlines()[:8]))
+
+
+class DDPBaseline:
+    """Plain torch DistributedDataParallel behind the engine's interface: the compare baseline."""
+
+    def __init__(self, model: nn.Module, make_opt) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+        self.module = DistributedDataParallel(model)
+        self.optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
+
+    def __call__(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # keep gradients allocated, as DDP's buckets do
+
+    def memory_stats(self) -> dict[str, int]:
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        states = tensor_bytes(params) + tensor_bytes(grads) + optimizer_state_bytes(self.optimizer)
+        return {"model_states": states}
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
