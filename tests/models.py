@@ -64,20 +64,27 @@ def batches(steps: int, global_batch: int, seed: int = 1234) -> list[tuple[torch
     return out
 
 
-def reference_run(make_model, make_optimizer, steps: int, global_batch: int):
+def reference_run(make_model, make_optimizer, steps: int, global_batch: int, groups=None,
+                  scheduler=None, clip: float = 0.0):
     """Single-process training on the whole global batch. Gradients start as zeros and are zeroed,
     not set to None: ZeRO's flat buffers give unused parameters a zero gradient (as DeepSpeed and
-    FSDP do), so stateful optimizers still move them."""
+    FSDP do), so stateful optimizers still move them. Optional: parameter groups (model -> groups),
+    an lr scheduler (optimizer -> scheduler) stepped after each step, and global-norm clipping."""
     model = make_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(trainable)
+    opt = make_optimizer(groups(model) if groups else trainable)
+    sched = scheduler(opt) if scheduler else None
     for p in trainable:
         p.grad = torch.zeros_like(p)
     losses = []
     for step, (x, y) in enumerate(batches(steps, global_batch)):
         loss = loss_fn(model(x, use_sometimes=step % 2 == 0), y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
         opt.zero_grad(set_to_none=False)
+        if sched:
+            sched.step()
         losses.append(loss.item())
     return model, losses

@@ -60,12 +60,22 @@ def _api(rank: int, world_size: int) -> None:
         for half in (slice(0, 2), slice(2, 4)):
             split.backward(loss_fn(split(x[half]), y[half]) / 2)
         split.step()
+        # The same with the first backward inside no_sync(): nothing is communicated until the second.
+        quiet = zeroshard.initialize(_copy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+                                     {"zero_optimization": {"stage": stage}})
+        with quiet.no_sync():
+            quiet.backward(loss_fn(quiet(x[:2]), y[:2]) / 2)
+        reductions = [c.calls for k, c in quiet.comm.window.items() if k.value in ("all_reduce", "reduce_scatter")]
+        assert reductions == [0, 0]  # no gradient was communicated inside no_sync()
+        quiet.backward(loss_fn(quiet(x[2:]), y[2:]) / 2)
+        quiet.step()
         # The user may call loss.backward() directly; step() finishes the reduction.
         loss_fn(engine(x), y).backward()
         engine.step()
-        a, b = engine.full_state_dict(), split.full_state_dict()
+        a, b, c = engine.full_state_dict(), split.full_state_dict(), quiet.full_state_dict()
         for name in a:
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c[name], b[name], rtol=1e-5, atol=1e-6)
 
 
 def _copy(model: TinyGPT) -> TinyGPT:

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from dist import spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, batches, loss_fn, reference_run
 
 GLOBAL_BATCH, FIRST, SECOND = 12, 3, 3
 
@@ -45,20 +45,11 @@ def _train(engine, rank: int, world_size: int, steps: range) -> list[float]:
 
 
 def reference_state() -> dict[str, torch.Tensor]:
-    """One process, FIRST + SECOND steps without interruption (zero-initialised gradients)."""
-    torch.manual_seed(0)
-    model = TinyGPT()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = _adamw(trainable)
-    sched = _scheduler(opt)
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
-    for step, (x, y) in enumerate(batches(FIRST + SECOND, GLOBAL_BATCH)):
-        loss_fn(model(x, use_sometimes=step % 2 == 0), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        sched.step()
-    return model.state_dict()
+    """One process, FIRST + SECOND steps without interruption."""
+    def model() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT()
+    return reference_run(model, _adamw, FIRST + SECOND, GLOBAL_BATCH, scheduler=_scheduler)[0].state_dict()
 
 
 def _save(rank: int, world_size: int, stage: int, directory: str) -> None:

@@ -26,7 +26,10 @@ def _train_losses(out: str) -> list[float]:
 def test_train_resume_and_consolidate(tmp_path):
     out = str(tmp_path / "run")
     first = zeroshard("train", "--steps", "20", "--nproc", "2", "--size", "tiny", "--out", out).stdout
-    assert "ZeRO stage 3, 2 ranks" in first and "sample:" in first
+    assert "ZeRO stage 3, 2 ranks" in first and "sample:" in first and "traffic per step" in first
+    rows = [line.split() for line in first.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 6]
+    assert len(rows) == 2  # one memory row per rank: measured model states beside the paper's formula
+    assert all(abs(float(row[4]) - float(row[5])) < 0.02 for row in rows)
     assert os.path.getsize(os.path.join(out, "loss.png")) > 10_000
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
@@ -70,6 +73,10 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["train", "--hf-config", "/no/such/config.json"], "does not exist"),
     (["train", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["compare", "--stages", "5"], "invalid choice"),
+    (["train", "--stage", "4"], "invalid choice"),
+    (["train", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--nproc", "-1"], "--nproc must be >= 1"),
+    (["bogus"], "invalid choice"),
     (["consolidate", "/no/such/dir", "out.safetensors"], "does not exist"),
     (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),
 ])

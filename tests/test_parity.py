@@ -48,10 +48,10 @@ def assert_matches_reference(engine, losses, ref_model, ref_losses, what: str) -
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=2e-6, msg=lambda m: f"{what} {name}: {m}")
 
 
-CASES = [  # (config extras, optimizer): both unit policies, tiny buckets, the persistence threshold
+CASES = [  # (config extras, optimizer): both unit policies, tiny buckets, overlap, persistence threshold
     ({"zeroshard": {"unit_modules": ["Block"]}}, _adamw),
     ({}, _sgd),
-    ({"zero_optimization": {"reduce_bucket_size": 50, "allgather_bucket_size": 70,
+    ({"zero_optimization": {"reduce_bucket_size": 50, "allgather_bucket_size": 70, "overlap_comm": True,
                             "stage3_param_persistence_threshold": 100}}, _adamw),
 ]
 

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from dist import spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, batches, loss_fn, reference_run
 from test_parity import assert_matches_reference
 
 STEPS, GLOBAL_BATCH = 4, 12
@@ -56,7 +56,7 @@ CASES = {
     # SGD: Adam would amplify the last-bit difference between a norm summed over shards and torch's
     # norm of per-tensor norms, wherever a gradient is near zero.
     "clipping": Case(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), {"gradient_clipping": 0.05}),
-    "accumulation": Case(_adamw, {"gradient_accumulation_steps": 2}),
+    "accumulation": Case(_adamw, {"gradient_accumulation_steps": 2, "zero_optimization": {"overlap_comm": True}}),
     "adam": Case(lambda p: torch.optim.Adam(p, lr=1e-2), {}),
     "sgd_momentum": Case(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True), {}),
     "adagrad": Case(lambda p: torch.optim.Adagrad(p, lr=0.05), {}),
@@ -70,25 +70,11 @@ CASES = {
 
 
 def reference(case: Case):
-    torch.manual_seed(0)
-    model = TinyGPT()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = case.make_opt(case.groups(model) if case.groups else trainable)
-    scheduler = case.scheduler(opt) if case.scheduler else None
-    for p in trainable:
-        p.grad = torch.zeros_like(p)
-    losses = []
-    for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
-        loss = loss_fn(model(x, use_sometimes=step % 2 == 0), y)
-        loss.backward()
-        if case.config.get("gradient_clipping"):
-            torch.nn.utils.clip_grad_norm_(trainable, case.config["gradient_clipping"])
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        if scheduler:
-            scheduler.step()
-        losses.append(loss.item())
-    return model, losses
+    def model() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT()
+    return reference_run(model, case.make_opt, STEPS, GLOBAL_BATCH, case.groups, case.scheduler,
+                         case.config.get("gradient_clipping", 0.0))
 
 
 def train(case: Case, stage: int, rank: int, world_size: int):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ def _all_gather_flat(*args, **kwargs):
 
 def _reduce_scatter_flat(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+Work = Optional[dist.Work]  # a handle to wait on (async_op=True), else None
 
 
 class Kind(str, Enum):
@@ -84,20 +87,21 @@ class Comm:
             table[kind].calls += 1
             table[kind].bytes += nbytes
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work:
         """Sum `tensor` over ranks, in place."""
         self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * tensor.element_size())
-        dist.all_reduce(tensor, group=self.group)
+        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
         """output = concatenation of every rank's `shard` (shard may alias its slice of output)."""
         self._count(Kind.ALL_GATHER, output.numel() * output.element_size())
-        _all_gather_flat(output, shard, group=self.group)
+        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
-        """output = this rank's slice of the sum over ranks of `full` (output may alias that slice)."""
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
+        """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
+        With async_op, returns a handle to wait on; `full` must stay alive until then."""
         self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
-        _reduce_scatter_flat(output, full, group=self.group)
+        return _reduce_scatter_flat(output, full, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())

@@ -69,6 +69,7 @@ class Engine:
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
         self._sync = True
+        self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
         names = find_units(self.module, self.config.unit_modules)
@@ -135,7 +136,12 @@ class Engine:
         flat = unit.flats[flat_index]
         complete = flat.accumulate(param)
         if complete and self.policy.shard_grads and self._sync:
-            flat.reduce_grads()
+            overlap = self.config.zero.overlap_comm
+            flat.reduce_grads(async_op=overlap)
+            if overlap:  # at most two buffers in flight: communication overlaps the next unit's compute
+                if self._reducing is not None and self._reducing is not flat:
+                    self._reducing.finish_reduce()
+                self._reducing = flat
             if self.policy.shard_params and unit.free_when_reduced and unit.all_reduced():
                 unit.free()
 
@@ -144,8 +150,11 @@ class Engine:
         # buffer whose parameters got no gradient (unused this step) contributes zeros.
         for flat in self.flats:
             if self.policy.shard_grads and self._sync and flat.trainable and not flat.reduced:
-                flat.reduce_grads()
+                flat.reduce_grads()  # synchronous: nothing is left to overlap with, and memory stays flat
+        for flat in self.flats:
+            flat.finish_reduce()
             flat.end_backward()
+        self._reducing = None
         if self.policy.shard_params:
             for unit in self.units:
                 unit.free()

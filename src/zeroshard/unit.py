@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .comm import Comm
+from .comm import Comm, Work
 from .partition import build_layout
 from .precision import Precision
 
@@ -82,6 +83,8 @@ class FlatParam:
         self.reduced = False      # reduced during the current backward? (stages 2-3)
         self.has_grad = False     # does grad_shard hold a reduced gradient since the last step?
         self._pending: set[int] = set()
+        # Issued reductions not yet done: (handle, what to do after, the input it keeps alive).
+        self._inflight: list[tuple[Work, Callable[[], None] | None, torch.Tensor]] = []
         if trainable:
             self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
         if not self.persistent:
@@ -184,43 +187,61 @@ class FlatParam:
         self._pending.discard(id(param))
         return not self._pending
 
-    def reduce_grads(self) -> None:
-        """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard."""
+    def reduce_grads(self, async_op: bool = False) -> None:
+        """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
+        With async_op the collectives are only issued; finish_reduce() completes them."""
         full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
         if not self.policy.shard_optimizer:
-            self._all_reduce_mean(full)
+            self._all_reduce_mean(full, async_op)
         else:
-            self._reduce_scatter_mean(self.grad_shard, full, accumulate=self.policy.shard_grads and self.has_grad)
+            accumulate = self.policy.shard_grads and self.has_grad
+            self._reduce_scatter_mean(self.grad_shard, full, accumulate, async_op)
         if self.policy.shard_grads:
-            self.grad_full = None
+            self.grad_full = None  # in-flight work keeps its own reference until it completes
         self.has_grad, self.reduced = True, True
         self._pending = set(self.slot_of)
+        if not async_op:
+            self.finish_reduce()
 
-    def _all_reduce_mean(self, full: torch.Tensor) -> None:
+    def finish_reduce(self) -> None:
+        """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
+        for work, then, _ in self._inflight:
+            if work is not None:
+                work.wait()
+            if then is not None:
+                then()
+        self._inflight.clear()
+
+    def _issue(self, work: Work, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        self._inflight.append((work, then, keep))
+
+    def _all_reduce_mean(self, full: torch.Tensor, async_op: bool) -> None:
         step = max(1, self.buckets.reduce)
         for a in range(0, full.numel(), step):
             bucket = full[a:a + step].to(self.precision.reduce_dtype)  # a view when dtypes agree
             bucket.div_(self.comm.world_size)
-            self.comm.all_reduce(bucket)
-            if bucket.dtype != full.dtype:
-                full[a:a + step].copy_(bucket)
+            work = self.comm.all_reduce(bucket, async_op)
+            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
+                if bucket.dtype != full.dtype else None
+            self._issue(work, bucket, copy_back)
 
-    def _reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, accumulate: bool) -> None:
+    def _reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, accumulate: bool,
+                             async_op: bool) -> None:
         chunks = self.layout.shard_chunks(self.buckets.reduce)
         dtype, n = self.precision.reduce_dtype, self.comm.world_size
         if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
             full.div_(n)
-            self.comm.reduce_scatter(out, full)  # in place when `out` aliases its slice of `full`
+            # In place when `out` aliases its slice of `full`; `full` stays referenced until done.
+            self._issue(self.comm.reduce_scatter(out, full, async_op), full)
             return
         rows = full.view(n, -1)
         for a, b in chunks:  # constant-size buckets, converted to the reduction dtype on the way
             bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
             reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-            self.comm.reduce_scatter(reduced, bucket)
-            if accumulate:
-                out[a:b].add_(reduced)
-            else:
-                out[a:b].copy_(reduced)
+            work = self.comm.reduce_scatter(reduced, bucket, async_op)
+            target = out[a:b]
+            self._issue(work, bucket, (lambda t=target, r=reduced: t.add_(r)) if accumulate
+                        else (lambda t=target, r=reduced: t.copy_(r)))
 
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
@@ -258,6 +279,13 @@ class FlatParam:
         self.has_grad, self.reduced = False, False
 
     # ---- accounting ---------------------------------------------------------------------------
+    def _inflight_bytes(self) -> int:
+        """Inputs kept alive only by reductions in flight (not the persistent stage 0-1 gradient)."""
+        persistent = None if self.policy.shard_grads or self.grad_full is None else \
+            self.grad_full.untyped_storage().data_ptr()
+        return sum(_nbytes(keep) for _, _, keep in self._inflight
+                   if keep.untyped_storage().data_ptr() != persistent)
+
     def bytes_held(self) -> dict[str, int]:
         """Bytes by category: persistent params / grads / master copy, and temporaries alive now."""
         sharded_g = self.policy.shard_grads
@@ -273,5 +301,6 @@ class FlatParam:
             "params": params,
             "grads": _nbytes(self.grad_shard) if sharded_g else _nbytes(self.grad_full),
             "master": _nbytes(self.master) if separate else 0,
-            "temporary": gathered_temp + (_nbytes(self.grad_full) if sharded_g else 0),
+            "temporary": gathered_temp + (_nbytes(self.grad_full) if sharded_g else 0)
+            + self._inflight_bytes(),
         }
