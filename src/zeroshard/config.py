@@ -38,7 +38,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000   # max elements one parameter all-gather moves
     stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
     contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
-    overlap_comm: bool = False
+    overlap_comm: bool | None = None          # None: on at stage 3 only, as in DeepSpeed
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     offload_optimizer: bool = False            # master weights + optimizer state on the host
@@ -76,6 +76,10 @@ class Config:
     @property
     def stage(self) -> int:
         return self.zero.stage
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.zero.overlap_comm if self.zero.overlap_comm is not None else self.zero.stage == 3
 
     @classmethod
     def load(cls, source: "Config | dict | str | os.PathLike | None") -> "Config":

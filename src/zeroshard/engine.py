@@ -28,7 +28,7 @@ from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision
 from .unit import Buckets, FlatParam, StagePolicy
-from .wrap import Unit, assign_params, find_units
+from .wrap import Unit, UnitOrder, assign_params, find_units
 
 logger = logging.getLogger("zeroshard")
 
@@ -62,9 +62,10 @@ class Engine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "state_dict") else lr_scheduler
         self._install_grad_hooks()
+        self.unit_order = UnitOrder(prefetch=config.overlap_comm)
         if self.policy.shard_params:
             for unit in self.units:
-                unit.install_stage3_hooks()
+                unit.install_stage3_hooks(self.unit_order)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
@@ -136,7 +137,7 @@ class Engine:
         flat = unit.flats[flat_index]
         complete = flat.accumulate(param)
         if complete and self.policy.shard_grads and self._sync:
-            overlap = self.config.zero.overlap_comm
+            overlap = self.config.overlap_comm
             flat.reduce_grads(async_op=overlap)
             if overlap:  # at most two buffers in flight: communication overlaps the next unit's compute
                 if self._reducing is not None and self._reducing is not flat:

@@ -38,8 +38,22 @@ class StagePolicy:
 
 
 class ParamState(Enum):
-    SHARDED = "sharded"    # only the shard exists; module parameters are empty placeholders
-    GATHERED = "gathered"  # `full` is allocated and current; module parameters view it
+    SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch); not yet usable
+    GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
+
+
+Pending = list[tuple[Work, "Callable[[], None] | None", torch.Tensor]]  # (handle, then, kept alive)
+
+
+def _complete(pending: Pending) -> None:
+    """Wait for issued collectives in issue order and run what follows each."""
+    for work, then, _ in pending:
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
+    pending.clear()
 
 
 @dataclass(frozen=True)
@@ -83,8 +97,8 @@ class FlatParam:
         self.reduced = False      # reduced during the current backward? (stages 2-3)
         self.has_grad = False     # does grad_shard hold a reduced gradient since the last step?
         self._pending: set[int] = set()
-        # Issued reductions not yet done: (handle, what to do after, the input it keeps alive).
-        self._inflight: list[tuple[Work, Callable[[], None] | None, torch.Tensor]] = []
+        self._inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
+        self._gathering: Pending = []  # an all-gather issued by prefetch()
         if trainable:
             self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
         if not self.persistent:
@@ -124,15 +138,24 @@ class FlatParam:
         for p, slot in zip(self.params, self.layout.slots):
             p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
-    def gather(self) -> None:
-        """Make `full` current and point module parameters at it (stage 3; a no-op otherwise)."""
-        if self.state is ParamState.GATHERED:
+    def prefetch(self) -> None:
+        """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
+        if self.state is not ParamState.SHARDED:
             return
         # Resize the same storage back rather than allocating a new tensor: views that autograd
         # saved during forward keep pointing at this storage and become valid again.
         self.full.untyped_storage().resize_(_nbytes(self.full))
         with torch.no_grad():
-            self._all_gather(self.full, self.shard)
+            self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+        self.state = ParamState.GATHERING
+
+    def gather(self) -> None:
+        """Make `full` current and point module parameters at it (stage 3; a no-op otherwise)."""
+        if self.state is ParamState.GATHERED:
+            return
+        self.prefetch()
+        with torch.no_grad():
+            _complete(self._gathering)
         self._point_params_at_full()
         self.state = ParamState.GATHERED
 
@@ -140,6 +163,7 @@ class FlatParam:
         """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
         if self.persistent or self.state is ParamState.SHARDED:
             return
+        _complete(self._gathering)  # an all-gather in flight must land before its storage goes
         for p in self.params:
             p.data = self._placeholder
         self.full.untyped_storage().resize_(0)
@@ -150,16 +174,23 @@ class FlatParam:
         with torch.no_grad():
             self._all_gather(self.full, self.shard)
 
-    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
+        """full = every rank's shard, in buckets of at most `buckets.gather` elements. Returns what
+        is still in flight (nothing unless async_op)."""
         chunks = self.layout.shard_chunks(self.buckets.gather)
+        pending: Pending = []
         if len(chunks) == 1:
-            self.comm.all_gather(full, shard)
-            return
-        rows = full.view(self.comm.world_size, -1)
-        for a, b in chunks:  # constant-size bucket: gather one column block of every rank's shard
-            bucket = torch.empty(self.comm.world_size * (b - a), dtype=full.dtype, device=full.device)
-            self.comm.all_gather(bucket, shard[a:b].contiguous())
-            rows[:, a:b].copy_(bucket.view(self.comm.world_size, b - a))
+            pending.append((self.comm.all_gather(full, shard, async_op), None, shard))
+        else:
+            rows = full.view(self.comm.world_size, -1)
+            for a, b in chunks:  # constant-size bucket: one column block of every rank's shard
+                bucket = torch.empty(self.comm.world_size * (b - a), dtype=full.dtype, device=full.device)
+                work = self.comm.all_gather(bucket, shard[a:b].contiguous(), async_op)
+                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
+                    bucket.view(self.comm.world_size, b - a)), bucket))
+        if not async_op:
+            _complete(pending)
+        return pending
 
     def gathered_copy(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full padded values (from the fp32 master where there is one), in a new tensor."""
@@ -205,12 +236,7 @@ class FlatParam:
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
-        for work, then, _ in self._inflight:
-            if work is not None:
-                work.wait()
-            if then is not None:
-                then()
-        self._inflight.clear()
+        _complete(self._inflight)
 
     def _issue(self, work: Work, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
         self._inflight.append((work, then, keep))
@@ -295,7 +321,7 @@ class FlatParam:
             params, gathered_temp = _nbytes(self.shard) + _nbytes(self.full), 0
         else:
             params = _nbytes(self.shard)
-            gathered_temp = _nbytes(self.full) if self.state is ParamState.GATHERED else 0
+            gathered_temp = _nbytes(self.full) if self.state is not ParamState.SHARDED else 0
         separate = self.trainable and self.precision.separate_master
         return {
             "params": params,

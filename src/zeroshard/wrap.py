@@ -86,12 +86,16 @@ class Unit:
     def all_reduced(self) -> bool:
         return all(f.reduced for f in self.flats if f.trainable)
 
-    def install_stage3_hooks(self) -> None:
-        """Gather before forward and before backward; free after forward (the root stays)."""
-        self.module.register_forward_pre_hook(lambda module, args: self.gather())
-        self.module.register_forward_hook(self._post_forward)
+    def prefetch(self) -> None:
+        for f in self.flats:
+            f.prefetch()
 
-    def _post_forward(self, module: nn.Module, args: object, output: object) -> None:
+    def install_stage3_hooks(self, order: "UnitOrder") -> None:
+        """Gather before forward and before backward; free after forward (the root stays)."""
+        self.module.register_forward_pre_hook(lambda module, args: order.before_forward(self))
+        self.module.register_forward_hook(lambda module, args, output: self._post_forward(output, order))
+
+    def _post_forward(self, output: object, order: "UnitOrder") -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (activation checkpointing): keep parameters
         if not torch.is_grad_enabled():
@@ -101,4 +105,41 @@ class Unit:
         if not self.is_root:
             self.free()
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda grad: self.gather(), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grad: order.before_backward(self), mode="any")
+
+
+class UnitOrder:
+    """The order units run in, and (with overlap_comm) prefetching along it.
+
+    Forward prefetches the unit that followed this one in the previous forward; backward prefetches
+    the unit that preceded this one in the current forward. Every rank runs the same graph, so every
+    rank issues the same all-gathers in the same order. A wrong guess (the graph changed) only costs
+    memory: the unit stays gathered until it is used or the backward ends.
+    """
+
+    def __init__(self, prefetch: bool) -> None:
+        self.enabled = prefetch
+        self.previous: list[Unit] = []  # the last complete forward
+        self.current: list[Unit] = []   # this forward, so far
+        self._backward_at = 0           # where backward has reached in `current`
+
+    def before_forward(self, unit: Unit) -> None:
+        if unit.is_root:  # a new forward starts at the root
+            self.previous, self.current = (self.current or self.previous), []
+        self.current.append(unit)
+        self._backward_at = len(self.current)
+        unit.gather()
+        position = len(self.current)
+        if self.enabled and position < len(self.previous):
+            self.previous[position].prefetch()
+
+    def before_backward(self, unit: Unit) -> None:
+        unit.gather()
+        # The latest not-yet-visited occurrence of this unit in the forward; prefetch its predecessor.
+        for i in range(self._backward_at - 1, -1, -1):
+            if self.current[i] is unit:
+                self._backward_at = i
+                if self.enabled and i > 0:
+                    self.current[i - 1].prefetch()
+                return
