@@ -1,5 +1,9 @@
 """Collectives with accounting: the only module that calls torch.distributed collectives.
 
+Besides the plain collectives, it owns *how* flat buffers are communicated: in constant-size buckets
+(the paper's CB: a bucket never grows with the model), converted to a reduction dtype on the way,
+synchronously or issued asynchronously as `Pending` work to complete later (overlap_comm).
+
 Bytes follow the paper's convention, so totals compare directly with 2Ψ / 3Ψ: an all-reduce counts
 twice its tensor (it is a reduce-scatter plus an all-gather), an all-gather counts its full output, a
 reduce-scatter its full input, a broadcast its tensor. Counts are kept per step (the window between two
@@ -30,6 +34,19 @@ def _reduce_scatter_flat(*args, **kwargs):
 
 
 Work = Optional[dist.Work]  # a handle to wait on (async_op=True), else None
+
+
+Pending = list  # [(Work, then: Callable | None, the tensor kept alive)]: issued, not yet complete
+
+
+def complete(pending: Pending) -> None:
+    """Wait for issued collectives in issue order and run what follows each (copy back, add)."""
+    for work, then, _ in pending:
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
+    pending.clear()
 
 
 class Kind(str, Enum):
@@ -107,6 +124,62 @@ class Comm:
         self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
                        group=self.group)
+
+    # ---- bucketed collectives: constant-size buffers (the paper's CB), any reduction dtype -----
+    def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
+                      async_op: bool = False) -> Pending:
+        """full = every rank's shard, one column block [a, b) of the shards per collective.
+        Returns what is still in flight (nothing unless async_op)."""
+        pending: Pending = []
+        if len(chunks) == 1:
+            pending.append((self.all_gather(full, shard, async_op), None, shard))
+        else:
+            rows = full.view(self.world_size, -1)
+            for a, b in chunks:
+                bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
+                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op)
+                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
+                    bucket.view(self.world_size, b - a)), bucket))
+        if not async_op:
+            complete(pending)
+        return pending
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
+                            dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
+        """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
+        pending: Pending = []
+        n = self.world_size
+        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
+            full.div_(n)
+            # In place when `out` aliases its slice of `full`, which stays referenced until done.
+            pending.append((self.reduce_scatter(out, full, async_op), None, full))
+        else:
+            rows = full.view(n, -1)
+            for a, b in chunks:  # one column block of every rank's part, converted on the way
+                bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
+                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
+                work = self.reduce_scatter(reduced, bucket, async_op)
+                target = out[a:b]
+                pending.append((work, (lambda t=target, r=reduced: t.add_(r)) if accumulate
+                                else (lambda t=target, r=reduced: t.copy_(r)), bucket))
+        if not async_op:
+            complete(pending)
+        return pending
+
+    def all_reduce_mean(self, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
+                        async_op: bool = False) -> Pending:
+        """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
+        pending: Pending = []
+        step = max(1, bucket_size)
+        for a in range(0, full.numel(), step):
+            bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
+            bucket.div_(self.world_size)
+            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
+                if bucket.dtype != full.dtype else None
+            pending.append((self.all_reduce(bucket, async_op), copy_back, bucket))
+        if not async_op:
+            complete(pending)
+        return pending
 
     def all_gather_objects(self, obj: object) -> list[object]:
         """Small picklable objects from every rank (checks and reports; not counted as traffic).

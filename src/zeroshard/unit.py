@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
 
 import torch
 from torch import nn
 
-from .comm import Comm, Work
+from .comm import Comm, Pending, complete
 from .partition import build_layout
 from .precision import Precision
 
@@ -42,18 +41,6 @@ class ParamState(Enum):
     GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch); not yet usable
     GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
 
-
-Pending = list[tuple[Work, "Callable[[], None] | None", torch.Tensor]]  # (handle, then, kept alive)
-
-
-def _complete(pending: Pending) -> None:
-    """Wait for issued collectives in issue order and run what follows each."""
-    for work, then, _ in pending:
-        if work is not None:
-            work.wait()
-        if then is not None:
-            then()
-    pending.clear()
 
 
 @dataclass(frozen=True)
@@ -155,7 +142,7 @@ class FlatParam:
             return
         self.prefetch()
         with torch.no_grad():
-            _complete(self._gathering)
+            complete(self._gathering)
         self._point_params_at_full()
         self.state = ParamState.GATHERED
 
@@ -163,7 +150,7 @@ class FlatParam:
         """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
         if self.persistent or self.state is ParamState.SHARDED:
             return
-        _complete(self._gathering)  # an all-gather in flight must land before its storage goes
+        complete(self._gathering)  # an all-gather in flight must land before its storage goes
         for p in self.params:
             p.data = self._placeholder
         self.full.untyped_storage().resize_(0)
@@ -175,22 +162,7 @@ class FlatParam:
             self._all_gather(self.full, self.shard)
 
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
-        """full = every rank's shard, in buckets of at most `buckets.gather` elements. Returns what
-        is still in flight (nothing unless async_op)."""
-        chunks = self.layout.shard_chunks(self.buckets.gather)
-        pending: Pending = []
-        if len(chunks) == 1:
-            pending.append((self.comm.all_gather(full, shard, async_op), None, shard))
-        else:
-            rows = full.view(self.comm.world_size, -1)
-            for a, b in chunks:  # constant-size bucket: one column block of every rank's shard
-                bucket = torch.empty(self.comm.world_size * (b - a), dtype=full.dtype, device=full.device)
-                work = self.comm.all_gather(bucket, shard[a:b].contiguous(), async_op)
-                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
-                    bucket.view(self.comm.world_size, b - a)), bucket))
-        if not async_op:
-            _complete(pending)
-        return pending
+        return self.comm.gather_shards(full, shard, self.layout.shard_chunks(self.buckets.gather), async_op)
 
     def gathered_copy(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full padded values (from the fp32 master where there is one), in a new tensor."""
@@ -222,52 +194,22 @@ class FlatParam:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
         With async_op the collectives are only issued; finish_reduce() completes them."""
         full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
         if not self.policy.shard_optimizer:
-            self._all_reduce_mean(full, async_op)
+            self._inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
         else:
             accumulate = self.policy.shard_grads and self.has_grad
-            self._reduce_scatter_mean(self.grad_shard, full, accumulate, async_op)
+            chunks = self.layout.shard_chunks(self.buckets.reduce)
+            self._inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
+                                                            accumulate, async_op)
         if self.policy.shard_grads:
             self.grad_full = None  # in-flight work keeps its own reference until it completes
         self.has_grad, self.reduced = True, True
         self._pending = set(self.slot_of)
-        if not async_op:
-            self.finish_reduce()
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
-        _complete(self._inflight)
-
-    def _issue(self, work: Work, keep: torch.Tensor, then: Callable[[], None] | None = None) -> None:
-        self._inflight.append((work, then, keep))
-
-    def _all_reduce_mean(self, full: torch.Tensor, async_op: bool) -> None:
-        step = max(1, self.buckets.reduce)
-        for a in range(0, full.numel(), step):
-            bucket = full[a:a + step].to(self.precision.reduce_dtype)  # a view when dtypes agree
-            bucket.div_(self.comm.world_size)
-            work = self.comm.all_reduce(bucket, async_op)
-            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
-                if bucket.dtype != full.dtype else None
-            self._issue(work, bucket, copy_back)
-
-    def _reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, accumulate: bool,
-                             async_op: bool) -> None:
-        chunks = self.layout.shard_chunks(self.buckets.reduce)
-        dtype, n = self.precision.reduce_dtype, self.comm.world_size
-        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
-            full.div_(n)
-            # In place when `out` aliases its slice of `full`; `full` stays referenced until done.
-            self._issue(self.comm.reduce_scatter(out, full, async_op), full)
-            return
-        rows = full.view(n, -1)
-        for a, b in chunks:  # constant-size buckets, converted to the reduction dtype on the way
-            bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
-            reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-            work = self.comm.reduce_scatter(reduced, bucket, async_op)
-            target = out[a:b]
-            self._issue(work, bucket, (lambda t=target, r=reduced: t.add_(r)) if accumulate
-                        else (lambda t=target, r=reduced: t.copy_(r)))
+        complete(self._inflight)
 
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
