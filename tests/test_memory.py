@@ -55,3 +55,28 @@ def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_memory_matches_paper_formula(world_size):
     spawn(_measure, world_size)
+
+
+def _constant_buffers(rank: int, world_size: int) -> None:
+    """CB: gathered units, full-size gradients and staging buckets do not grow with the model."""
+    x_all, y_all = batches(1, 2 * world_size)[0]
+    x, y = x_all[2 * rank:2 * rank + 2], y_all[2 * rank:2 * rank + 2]
+    for stage in (2, 3):
+        seen = {}
+        for layers in (4, 16):  # 4x deeper (from past the depth where the prefetch pipeline fills)
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(d=32, layers=layers), lambda p: torch.optim.Adam(p, lr=1e-3),
+                                          {"zero_optimization": {"stage": stage, "reduce_bucket_size": 4096,
+                                                                 "allgather_bucket_size": 4096}})
+            for _ in range(2):
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+            seen[layers] = engine.memory_stats()
+        small, large = seen[4], seen[16]
+        assert large["model_states"] > 2.5 * small["model_states"]
+        assert large["peak_temporary"] == small["peak_temporary"] > 0, (stage, small, large)
+        assert large["largest_bucket"] == small["largest_bucket"] <= 4 * 4096
+
+
+def test_temporary_buffers_do_not_grow_with_the_model():
+    spawn(_constant_buffers, 2)

@@ -95,6 +95,7 @@ class Comm:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.total = _fresh()
         self.window = _fresh()
+        self.largest_bucket = 0  # bytes of the largest staging buffer built (constant: the CB claim)
         self.last_step = _fresh()
         self._counting_step = True
 
@@ -137,6 +138,7 @@ class Comm:
             rows = full.view(self.world_size, -1)
             for a, b in chunks:
                 bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
+                self._staged(bucket)
                 work = self.all_gather(bucket, shard[a:b].contiguous(), async_op)
                 pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
                     bucket.view(self.world_size, b - a)), bucket))
@@ -157,6 +159,7 @@ class Comm:
             rows = full.view(n, -1)
             for a, b in chunks:  # one column block of every rank's part, converted on the way
                 bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
+                self._staged(bucket)
                 reduced = torch.empty(b - a, dtype=dtype, device=full.device)
                 work = self.reduce_scatter(reduced, bucket, async_op)
                 target = out[a:b]
@@ -173,6 +176,8 @@ class Comm:
         step = max(1, bucket_size)
         for a in range(0, full.numel(), step):
             bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
+            if bucket.dtype != full.dtype:
+                self._staged(bucket)
             bucket.div_(self.world_size)
             copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
                 if bucket.dtype != full.dtype else None
@@ -180,6 +185,9 @@ class Comm:
         if not async_op:
             complete(pending)
         return pending
+
+    def _staged(self, bucket: torch.Tensor) -> None:
+        self.largest_bucket = max(self.largest_bucket, bucket.numel() * bucket.element_size())
 
     def all_gather_objects(self, obj: object) -> list[object]:
         """Small picklable objects from every rank (checks and reports; not counted as traffic).

@@ -62,7 +62,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "state_dict") else lr_scheduler
         self._install_grad_hooks()
-        self.unit_order = UnitOrder(prefetch=config.overlap_comm)
+        self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
         if self.policy.shard_params:
             for unit in self.units:
                 unit.install_stage3_hooks(self.unit_order)
@@ -71,6 +71,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._sync = True
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
+        self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
         names = find_units(self.module, self.config.unit_modules)
@@ -136,6 +137,8 @@ class Engine:
         unit = self.units[unit_index]
         flat = unit.flats[flat_index]
         complete = flat.accumulate(param)
+        if complete:
+            self._note_temporaries()  # the moment this buffer's full gradient is largest
         if complete and self.policy.shard_grads and self._sync:
             overlap = self.config.overlap_comm
             flat.reduce_grads(async_op=overlap)
@@ -257,7 +260,15 @@ class Engine:
                  "buffers": tensor_bytes(self.module.buffers()), "temporary": held["temporary"]}
         stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
         stats["offloaded"] = optimizer if self.precision.offload else 0  # held in host memory
+        stats["peak_temporary"] = max(self.peak_temporary, stats["temporary"])
+        stats["largest_bucket"] = self.comm.largest_bucket
         return stats
+
+    def _note_temporaries(self) -> None:
+        """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
+        the moments they peak: after each unit is gathered and when a buffer's gradient is complete."""
+        now = sum(f.bytes_held()["temporary"] for f in self.flats)
+        self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Per collective kind: calls and bytes (paper convention), for the last step and in total."""

@@ -10,6 +10,8 @@ which stays gathered for the whole forward and backward.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
@@ -118,8 +120,9 @@ class UnitOrder:
     memory: the unit stays gathered until it is used or the backward ends.
     """
 
-    def __init__(self, prefetch: bool) -> None:
+    def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None) -> None:
         self.enabled = prefetch
+        self.on_gather = on_gather  # accounting: temporaries peak right after a gather
         self.previous: list[Unit] = []  # the last complete forward
         self.current: list[Unit] = []   # this forward, so far
         self._backward_at = 0           # where backward has reached in `current`
@@ -133,6 +136,7 @@ class UnitOrder:
         position = len(self.current)
         if self.enabled and position < len(self.previous):
             self.previous[position].prefetch()
+        self.on_gather()
 
     def before_backward(self, unit: Unit) -> None:
         unit.gather()
@@ -142,4 +146,5 @@ class UnitOrder:
                 self._backward_at = i
                 if self.enabled and i > 0:
                     self.current[i - 1].prefetch()
-                return
+                break
+        self.on_gather()
