@@ -111,7 +111,9 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces) -> dic
         for key in keys:
             _, name, start = key.rsplit("/", 2)
             lengths.setdefault(name, []).append(int(start))
+    trainable = sorted(slot.names[0] for f in flats if f.trainable for slot in f.layout.slots)
     return {"format": 1, "shapes": shapes, "starts": lengths, "elementwise": sorted(elementwise),
+            "trainable": trainable,
             "scalars": scalars, "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "extra": extra}
@@ -158,12 +160,13 @@ def read_meta(path: str, process_group=None, no_dist: bool = False) -> dict[str,
 
 
 def _describe(error: BaseException) -> str:
-    failures = getattr(error, "failures", None)  # DCP: {rank: exception}
+    failures = getattr(error, "failures", None)  # DCP: {rank: exception or (exception, traceback)}
     if not failures:
         return f"{type(error).__name__}: {error}"
-    rank, first = next(iter(sorted(failures.items())))
-    return (f"rank {rank} failed with {type(first).__name__} {first} (a truncated or corrupt file?); "
-            f"{len(failures)} rank(s) failed")
+    rank, first = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+    first = first[0] if isinstance(first, tuple) else first
+    hint = " (a truncated or corrupt file?)" if isinstance(first, (EOFError, pickle.UnpicklingError)) else ""
+    return f"rank {rank} failed with {type(first).__name__}: {first}{hint}; {len(failures)} rank(s) failed"
 
 
 def check_compatible(meta: dict[str, Any], flats: list[FlatParam], optimizer: torch.optim.Optimizer) -> None:
@@ -178,6 +181,13 @@ def check_compatible(meta: dict[str, Any], flats: list[FlatParam], optimizer: to
         name, saved, now = wrong[0]
         raise CheckpointError(f"checkpoint is from another model: '{name}' has shape {saved} there, "
                               f"{now} here ({len(wrong)} shapes differ)")
+    trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
+    if "trainable" in meta and trainable != set(meta["trainable"]):
+        changed = sorted(trainable ^ set(meta["trainable"]))
+        raise CheckpointError(f"parameters frozen at save time are trainable now, or the reverse: "
+                              f"{changed[:5]}; their optimizer state cannot match. Freeze the same "
+                              f"parameters as when saving, or start from the weights alone "
+                              f"(zeroshard.consolidate)")
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} parameter groups, the "
                               f"optimizer has {len(optimizer.param_groups)}")
@@ -267,7 +277,8 @@ def consolidate(path: str) -> dict[str, torch.Tensor]:
     dcp.load(request, checkpoint_id=path, no_dist=True)
     values: dict[str, torch.Tensor] = {}
     for name, (shape, aliases) in meta["shapes"].items():
-        flat = torch.cat([request[f"param/{name}/{s}"] for s in sorted(meta["starts"][name])])
+        pieces = [request[f"param/{name}/{s}"] for s in sorted(meta["starts"].get(name, []))]
+        flat = torch.cat(pieces) if pieces else torch.zeros(0)  # a zero-element parameter has none
         for alias in aliases:
             values[alias] = flat.view(shape).clone()
     values.update({n: request[f"buffer/{n}"] for n in meta["buffers"]})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+import torch
 from torch import nn
 
 from .comm import Comm
@@ -15,9 +16,15 @@ class ModelMismatchError(RuntimeError):
     """Ranks built different models or configs: training them together would corrupt or hang."""
 
 
-def check_model(module: nn.Module) -> None:
+def check_module_type(module: object) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(module).__name__}")
+    if getattr(module, "_zeroshard_wrapped", False):
+        raise ValueError("this model is already wrapped by a zeroshard engine (its parameters now live "
+                         "in that engine's buffers); keep using that engine, or build a fresh model")
+
+
+def check_model(module: nn.Module, config: Config) -> None:
     params = dict(module.named_parameters())
     if not any(p.requires_grad for p in params.values()):
         raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
@@ -34,11 +41,16 @@ def check_model(module: nn.Module) -> None:
     devices = {p.device for p in params.values()}
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    dtype = next(iter(dtypes))
+    if dtype != torch.float32 and config.precision == "fp32":
+        raise ValueError(f"the parameters are {dtype} but the config trains in fp32 (it would silently "
+                         f"upcast them); enable \"bf16\" or \"fp16\" in the config (fp32 master weights, "
+                         f"{dtype} compute), or convert the model with model.float()")
 
 
 def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
     entries = [f"config {json.dumps(config.raw, sort_keys=True, default=str)}", f"world size {world_size}"]
-    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} {p.device.type} requires_grad={p.requires_grad}"
                 for n, p in module.named_parameters(remove_duplicate=False)]
     entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
     return entries

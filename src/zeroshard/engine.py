@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
-from .checks import check_model, verify_same_on_every_rank
+from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
@@ -38,9 +38,11 @@ class Engine:
 
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
                  param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
-        check_model(module)
+        check_module_type(module)
+        verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
+        check_model(module, config)
         config.check_batch_sizes(comm.world_size)
-        verify_same_on_every_rank(comm, module, config)
+        module._zeroshard_wrapped = True
         self.module, self.config, self.comm = module, config, comm
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = _precision(config)
@@ -61,8 +63,16 @@ class Engine:
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "state_dict") else lr_scheduler
+        if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is not self.optimizer:
+            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
+                            "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
+                            "not over engine.optimizer, and would change nothing")
         self._install_grad_hooks()
         self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
+        if self.policy.shard_params and len(self.units) == 1 and comm.rank == 0:
+            logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
+                           "zeroshard.unit_modules match): every parameter stays gathered from "
+                           "forward to backward; name your block classes in zeroshard.unit_modules")
         if self.policy.shard_params:
             for unit in self.units:
                 unit.install_stage3_hooks(self.unit_order)
@@ -71,6 +81,9 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._sync = True
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
+        self._reduce_order = [f for f in reversed(self.flats) if f.trainable]
+        self._next_reduce = 0
+        self._unit_of = {id(f): unit for unit in self.units for f in unit.flats}
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
@@ -96,6 +109,13 @@ class Engine:
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss x loss scale / accumulation steps, then reduce every gradient buffer not
@@ -134,31 +154,45 @@ class Engine:
                         p.register_post_accumulate_grad_hook(partial(_grad_ready, engine, u, f))
 
     def _on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
-        unit = self.units[unit_index]
-        flat = unit.flats[flat_index]
-        complete = flat.accumulate(param)
-        if complete:
+        flat = self.units[unit_index].flats[flat_index]
+        if flat.accumulate(param):
             self._note_temporaries()  # the moment this buffer's full gradient is largest
-        if complete and self.policy.shard_grads and self._sync:
-            overlap = self.config.overlap_comm
-            flat.reduce_grads(async_op=overlap)
-            if overlap:  # at most two buffers in flight: communication overlaps the next unit's compute
-                if self._reducing is not None and self._reducing is not flat:
-                    self._reducing.finish_reduce()
-                self._reducing = flat
-            if self.policy.shard_params and unit.free_when_reduced and unit.all_reduced():
-                unit.free()
+            if self.policy.shard_grads and self._sync:
+                self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Reduce, in one fixed order, every buffer whose gradients are complete and whose
+        predecessors in that order are reduced. The order (reverse registration: roughly the order
+        backward produces gradients) never depends on which gradients arrived, which can differ
+        between ranks (an expert that got no tokens here), so the ranks' collectives always pair up."""
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].complete:
+            self._reduce(order[self._next_reduce], async_op=self.config.overlap_comm)
+            self._next_reduce += 1
+
+    def _reduce(self, flat: FlatParam, async_op: bool) -> None:
+        flat.reduce_grads(async_op=async_op)
+        if async_op:  # at most two buffers in flight: communication overlaps the next unit's compute
+            if self._reducing is not None and self._reducing is not flat:
+                self._reducing.finish_reduce()
+            self._reducing = flat
+        if self.policy.shard_params:
+            self._unit_of[id(flat)].maybe_free()
 
     def _finish_backward(self) -> None:
-        # Every rank reduces every trainable buffer exactly once per backward, in unit order: a
-        # buffer whose parameters got no gradient (unused this step) contributes zeros.
-        for flat in self.flats:
-            if self.policy.shard_grads and self._sync and flat.trainable and not flat.reduced:
-                flat.reduce_grads()  # synchronous: nothing is left to overlap with, and memory stays flat
+        # Every rank reduces every trainable buffer exactly once per backward, in the fixed order:
+        # a buffer whose parameters got no gradient (unused this step) contributes zeros.
+        if self.policy.shard_grads and self._sync:
+            for flat in self._reduce_order[self._next_reduce:]:
+                self._reduce(flat, async_op=False)  # nothing left to overlap with; memory stays flat
+        self._next_reduce = 0
         for flat in self.flats:
             flat.finish_reduce()
             flat.end_backward()
         self._reducing = None
+        self._free_units()
+
+    def _free_units(self) -> None:
         if self.policy.shard_params:
             for unit in self.units:
                 unit.free()
@@ -171,6 +205,7 @@ class Engine:
             return
         if any(f.reduced or (f.grad_full is not None and self.policy.shard_grads) for f in self.flats):
             self._finish_backward()  # the user called loss.backward() instead of engine.backward()
+        self._free_units()  # a unit gathered now (a forward without backward) would go stale
         if not self.policy.shard_grads:
             for flat in self.flats:
                 if flat.trainable:
@@ -219,6 +254,7 @@ class Engine:
     def load_checkpoint(self, load_dir: str) -> Any:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
         any world size and stage; returns the saved client_state. Nothing changes if it fails."""
+        self._free_units()  # what is gathered now would shadow the loaded shards
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
             for flat in self.flats:
@@ -227,7 +263,9 @@ class Engine:
                     flat.write_back()
                 elif flat.policy.shard_params and flat.persistent:
                     flat.gather_into_full()
-        self.global_steps, self.micro_steps = extra["global_steps"], extra["micro_steps"]
+        # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
+        self.global_steps = extra["global_steps"]
+        self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
         self.scaler.load_state_dict(extra["scaler"])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

@@ -17,6 +17,8 @@ from .precision import LossScaler
 from .unit import FlatParam
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
+# Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name, None) for name in ("Adafactor", "Muon", "LBFGS", "SparseAdam"))
 
 
 def resolve_groups(model: nn.Module, param_groups: list[dict] | None) -> tuple[list[dict], dict[int, int]]:
@@ -68,11 +70,17 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
         raise TypeError(f"optimizer must be a callable, an Optimizer class or None, got {type(spec).__name__}")
     try:
         optimizer = cls(params, **kwargs)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"could not build the optimizer {getattr(cls, '__name__', cls)} with "
-                          f"{kwargs}: {e}") from None
+                          f"{kwargs} over zeroshard's flat shards: {e}") from None
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    whole_tensor = [c for c in _NOT_ELEMENTWISE if c is not None and isinstance(optimizer, c)]
+    if whole_tensor:
+        raise ConfigError(f"{whole_tensor[0].__name__} updates each parameter from properties of the whole "
+                          f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards it would "
+                          f"compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
+                          f"Adagrad, RMSprop, ...)")
     given = {id(t) for g in groups for t in g["params"]}
     seen = {id(t) for g in optimizer.param_groups for t in g["params"]}
     if given != seen:

@@ -164,7 +164,7 @@ class FlatParam:
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
         return self.comm.gather_shards(full, shard, self.layout.shard_chunks(self.buckets.gather), async_op)
 
-    def gathered_copy(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def gathered_copy(self) -> torch.Tensor:
         """The full padded values (from the fp32 master where there is one), in a new tensor."""
         if self.master is not None and self.master.dtype != self.full.dtype:
             owned = self.master.to(self.full.device)
@@ -189,6 +189,11 @@ class FlatParam:
         param.grad = None
         self._pending.discard(id(param))
         return not self._pending
+
+    @property
+    def complete(self) -> bool:
+        """Has every parameter reported its gradient in this backward?"""
+        return self.trainable and not self._pending
 
     def reduce_grads(self, async_op: bool = False) -> None:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.

@@ -10,6 +10,7 @@ which stays gathered for the whole forward and backward.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -74,41 +75,55 @@ class Unit:
     def __init__(self, name: str, module: nn.Module, flats: list[FlatParam]) -> None:
         self.name, self.module, self.flats = name, module, flats
         self.is_root = name == ROOT
-        # Freeing early is only safe when no frozen buffer may still be needed later in backward.
+        # Freeing during backward is only safe when no frozen buffer may still be needed later.
         self.free_when_reduced = not self.is_root and all(f.trainable for f in flats)
+        self.passed = False  # has backward moved on to units that ran before this one?
 
     def gather(self) -> None:
         for f in self.flats:
             f.gather()
 
-    def free(self) -> None:
-        for f in self.flats:
-            f.free()
-
-    def all_reduced(self) -> bool:
-        return all(f.reduced for f in self.flats if f.trainable)
-
     def prefetch(self) -> None:
         for f in self.flats:
             f.prefetch()
 
+    def free(self) -> None:
+        for f in self.flats:
+            f.free()
+
+    def maybe_free(self) -> None:
+        """Free during backward once every gradient is reduced *and* backward has moved past this
+        unit: its gradients can be complete while its weights are still needed (a detached use)."""
+        if self.free_when_reduced and self.passed and all(f.reduced for f in self.flats if f.trainable):
+            self.free()
+
     def install_stage3_hooks(self, order: "UnitOrder") -> None:
-        """Gather before forward and before backward; free after forward (the root stays)."""
-        self.module.register_forward_pre_hook(lambda module, args: order.before_forward(self))
-        self.module.register_forward_hook(lambda module, args, output: self._post_forward(output, order))
+        """Gather before forward and before backward; free after forward (the root stays). The
+        hooks live on the user's module: they hold weak references, so a dropped engine is freed."""
+        unit, units = weakref.ref(self), weakref.ref(order)
+
+        def pre_forward(module: nn.Module, args: object) -> None:
+            if unit() is not None and units() is not None:
+                units().before_forward(unit())
+
+        def post_forward(module: nn.Module, args: object, output: object) -> None:
+            if unit() is not None and units() is not None:
+                unit()._post_forward(output, units())
+        self.module.register_forward_pre_hook(pre_forward)
+        self.module.register_forward_hook(post_forward)
 
     def _post_forward(self, output: object, order: "UnitOrder") -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (activation checkpointing): keep parameters
         if not torch.is_grad_enabled():
-            self.free()  # no backward follows (evaluation): free even the root
+            self.free()  # no backward follows this forward (an earlier one re-gathers on its own)
             return
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not self.is_root:
             self.free()
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grad: order.before_backward(self), mode="any")
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:  # the root too: a no_grad forward in between may have freed it
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grad: order.before_backward(self), mode="any")
 
 
 class UnitOrder:
@@ -131,6 +146,7 @@ class UnitOrder:
         if unit.is_root:  # a new forward starts at the root
             self.previous, self.current = (self.current or self.previous), []
         self.current.append(unit)
+        unit.passed = False
         self._backward_at = len(self.current)
         unit.gather()
         position = len(self.current)
@@ -140,11 +156,21 @@ class UnitOrder:
 
     def before_backward(self, unit: Unit) -> None:
         unit.gather()
-        # The latest not-yet-visited occurrence of this unit in the forward; prefetch its predecessor.
+        if not unit.is_root:  # the root's outputs are the model's: its hook fires first
+            self._advance_to(unit)
+        self.on_gather()
+
+    def _advance_to(self, unit: Unit) -> None:
+        """Backward reached `unit`'s latest unvisited occurrence: prefetch its predecessor, and mark
+        the units that ran only after it as passed (free them if their gradients are reduced)."""
         for i in range(self._backward_at - 1, -1, -1):
             if self.current[i] is unit:
                 self._backward_at = i
                 if self.enabled and i > 0:
                     self.current[i - 1].prefetch()
-                break
-        self.on_gather()
+                still_needed = set(map(id, self.current[:i + 1]))
+                for later in self.current[i + 1:]:
+                    if id(later) not in still_needed and not later.passed:
+                        later.passed = True
+                        later.maybe_free()
+                return
