@@ -58,7 +58,8 @@ class Engine:
                 comm.broadcast(b, 0)
         groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
                   for i, opts in enumerate(options)]
-        self.optimizer = build_optimizer(optimizer, config, [g for g in groups if g["params"]])
+        # Empty groups are kept, so engine.optimizer.param_groups[i] is the user's param_groups[i].
+        self.optimizer = build_optimizer(optimizer, config, groups)
         # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
@@ -83,6 +84,7 @@ class Engine:
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
         self._reduce_order = [f for f in reversed(self.flats) if f.trainable]
         self._next_reduce = 0
+        self._backward_finished = False
         self._unit_of = {id(f): unit for unit in self.units for f in unit.flats}
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
@@ -125,6 +127,7 @@ class Engine:
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward()
         self._finish_backward()
+        self._backward_finished = True  # decided by API calls, the same on every rank
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -200,11 +203,12 @@ class Engine:
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
         the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
+        if not self._backward_finished:
+            self._finish_backward()  # the user called loss.backward() instead of engine.backward()
+        self._backward_finished = False
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
-        if any(f.reduced or (f.grad_full is not None and self.policy.shard_grads) for f in self.flats):
-            self._finish_backward()  # the user called loss.backward() instead of engine.backward()
         self._free_units()  # a unit gathered now (a forward without backward) would go stale
         if not self.policy.shard_grads:
             for flat in self.flats:
