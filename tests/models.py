@@ -64,6 +64,13 @@ def batches(steps: int, global_batch: int, seed: int = 1234) -> list[tuple[torch
     return out
 
 
+def rank_batch(rank: int, world_size: int, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of one global batch of world_size x per_rank sequences."""
+    x, y = batches(1, per_rank * world_size)[0]
+    mine = slice(per_rank * rank, per_rank * (rank + 1))
+    return x[mine], y[mine]
+
+
 def reference_run(make_model, make_optimizer, steps: int, global_batch: int, groups=None,
                   scheduler=None, clip: float = 0.0):
     """Single-process training on the whole global batch. Gradients start as zeros and are zeroed,

@@ -10,7 +10,7 @@ import torch
 
 import zeroshard
 from dist import free_port, spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, loss_fn, rank_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -34,8 +34,7 @@ def test_plain_single_process_is_world_size_one():
 
 
 def _api(rank: int, world_size: int) -> None:
-    x_all, y_all = batches(1, 4 * world_size)[0]
-    x, y = x_all[4 * rank:4 * rank + 4], y_all[4 * rank:4 * rank + 4]
+    x, y = rank_batch(rank, world_size, per_rank=4)
     torch.manual_seed(0)
     plain = TinyGPT()
     for stage in range(4):

@@ -8,12 +8,11 @@ import torch
 import zeroshard
 from accounting import fp32_adam_formula, live_tensor_bytes
 from dist import spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, loss_fn, rank_batch
 
 
 def _measure(rank: int, world_size: int) -> None:
-    x_all, y_all = batches(1, 2 * world_size)[0]
-    x, y = x_all[2 * rank:2 * rank + 2], y_all[2 * rank:2 * rank + 2]
+    x, y = rank_batch(rank, world_size)
     census = {stage: _measure_stage(stage, world_size, x, y) for stage in range(4)}
     # The census shrinks with the stage: DDP 16Ψ > 8Ψ+8Ψ/N > 4Ψ+12Ψ/N > 16Ψ/N (for N >= 2).
     assert census[0] > census[1] > census[2] > census[3], census
@@ -59,8 +58,7 @@ def test_memory_matches_paper_formula(world_size):
 
 def _constant_buffers(rank: int, world_size: int) -> None:
     """CB: gathered units, full-size gradients and staging buckets do not grow with the model."""
-    x_all, y_all = batches(1, 2 * world_size)[0]
-    x, y = x_all[2 * rank:2 * rank + 2], y_all[2 * rank:2 * rank + 2]
+    x, y = rank_batch(rank, world_size)
     for stage in (2, 3):
         seen = {}
         for layers in (4, 16):  # 4x deeper (from past the depth where the prefetch pipeline fills)

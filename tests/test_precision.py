@@ -7,7 +7,7 @@ import torch
 
 import zeroshard
 from dist import spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, batches, loss_fn, rank_batch
 
 STEPS, GLOBAL_BATCH = 6, 12
 # Documented in docs/configuration.md: bf16 losses stay within this of the single-process bf16
@@ -83,8 +83,7 @@ def test_bf16_every_stage(world_size):
 
 
 def _fp16_overflow(rank: int, world_size: int) -> None:
-    x_all, y_all = batches(1, 2 * world_size)[0]
-    x, y = x_all[2 * rank:2 * rank + 2], y_all[2 * rank:2 * rank + 2]
+    x, y = rank_batch(rank, world_size)
     for stage in range(4):
         torch.manual_seed(0)
         model = TinyGPT()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zeroshard
 from dist import spawn
-from models import TinyGPT, batches, loss_fn
+from models import TinyGPT, loss_fn, rank_batch
 
 # The paper's convention: all-reduce = 2x its tensor, all-gather = its output, reduce-scatter = its input.
 _WRAPPED = {"all_reduce": lambda t, *a, **k: 2 * t.numel() * t.element_size(),
@@ -36,8 +36,7 @@ def _wiretap() -> Counter:
 
 def _traffic(rank: int, world_size: int) -> None:
     wire = _wiretap()
-    x_all, y_all = batches(1, 2 * world_size)[0]
-    x, y = x_all[2 * rank:2 * rank + 2], y_all[2 * rank:2 * rank + 2]
+    x, y = rank_batch(rank, world_size)
     for stage in range(4):
         torch.manual_seed(0)
         engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),

@@ -10,10 +10,8 @@ One step, at every stage:
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import Counter
 from contextlib import contextmanager
-from functools import partial
 from typing import Iterator
 from typing import Any
 
@@ -25,10 +23,11 @@ from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .memory import optimizer_state_bytes, tensor_bytes
+from .grads import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
-from .precision import LossScaler, Precision
+from .precision import LossScaler, Precision, convert_buffers
 from .unit import Buckets, FlatParam, StagePolicy
-from .wrap import Unit, UnitOrder, assign_params, find_units
+from .wrap import Unit, UnitOrder, assign_params, find_units, persistent_buffers
 
 logger = logging.getLogger("zeroshard")
 
@@ -45,14 +44,14 @@ class Engine:
         module._zeroshard_wrapped = True
         self.module, self.config, self.comm = module, config, comm
         self.policy = StagePolicy.for_stage(config.stage)
-        self.precision = _precision(config)
+        self.precision = Precision.from_config(config)
         self.scaler = LossScaler(config.scaler)
-        _convert_buffers(module, self.precision.param_dtype)
+        convert_buffers(module, self.precision.param_dtype)
         options, group_of = resolve_groups(module, param_groups)
         self.units = self._build_units(group_of)
         self.flats = [f for u in self.units for f in u.flats]
         self._state_dict_keys = list(module.state_dict().keys())
-        self._buffers = _persistent_buffers(module)
+        self._buffers = persistent_buffers(module)
         with torch.no_grad(), comm.outside_step():
             for b in dict.fromkeys(module.buffers()):
                 comm.broadcast(b, 0)
@@ -68,7 +67,7 @@ class Engine:
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
                             "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
                             "not over engine.optimizer, and would change nothing")
-        self._install_grad_hooks()
+        self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
         if self.policy.shard_params and len(self.units) == 1 and comm.rank == 0:
             logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
@@ -80,12 +79,7 @@ class Engine:
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
-        self._sync = True
-        self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
-        self._reduce_order = [f for f in reversed(self.flats) if f.trainable]
-        self._next_reduce = 0
         self._backward_finished = False
-        self._unit_of = {id(f): unit for unit in self.units for f in unit.flats}
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
@@ -134,65 +128,18 @@ class Engine:
         """Backward passes inside accumulate locally without communicating; the first backward
         after it reduces everything accumulated. At stages 2-3 this keeps full-size gradients alive
         between backwards (memory), as FSDP's no_sync does."""
-        previous, self._sync = self._sync, False
+        previous, self.reducer.sync = self.reducer.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self.reducer.sync = previous
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Will the next step() call update the parameters?"""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def _install_grad_hooks(self) -> None:
-        """Route each gradient to its flat buffer as soon as autograd has accumulated it.
-
-        The hooks live on the C++ side of each parameter, where Python's GC cannot see them: they
-        hold only a weak reference to the engine and indices, so a dropped engine is freed."""
-        engine = weakref.ref(self)
-        for u, unit in enumerate(self.units):
-            for f, flat in enumerate(unit.flats):
-                if flat.trainable:
-                    for p in flat.params:
-                        p.register_post_accumulate_grad_hook(partial(_grad_ready, engine, u, f))
-
-    def _on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
-        flat = self.units[unit_index].flats[flat_index]
-        if flat.accumulate(param):
-            self._note_temporaries()  # the moment this buffer's full gradient is largest
-            if self.policy.shard_grads and self._sync:
-                self._reduce_ready()
-
-    def _reduce_ready(self) -> None:
-        """Reduce, in one fixed order, every buffer whose gradients are complete and whose
-        predecessors in that order are reduced. The order (reverse registration: roughly the order
-        backward produces gradients) never depends on which gradients arrived, which can differ
-        between ranks (an expert that got no tokens here), so the ranks' collectives always pair up."""
-        order = self._reduce_order
-        while self._next_reduce < len(order) and order[self._next_reduce].complete:
-            self._reduce(order[self._next_reduce], async_op=self.config.overlap_comm)
-            self._next_reduce += 1
-
-    def _reduce(self, flat: FlatParam, async_op: bool) -> None:
-        flat.reduce_grads(async_op=async_op)
-        if async_op:  # at most two buffers in flight: communication overlaps the next unit's compute
-            if self._reducing is not None and self._reducing is not flat:
-                self._reducing.finish_reduce()
-            self._reducing = flat
-        if self.policy.shard_params:
-            self._unit_of[id(flat)].maybe_free()
-
     def _finish_backward(self) -> None:
-        # Every rank reduces every trainable buffer exactly once per backward, in the fixed order:
-        # a buffer whose parameters got no gradient (unused this step) contributes zeros.
-        if self.policy.shard_grads and self._sync:
-            for flat in self._reduce_order[self._next_reduce:]:
-                self._reduce(flat, async_op=False)  # nothing left to overlap with; memory stays flat
-        self._next_reduce = 0
-        for flat in self.flats:
-            flat.finish_reduce()
-            flat.end_backward()
-        self._reducing = None
+        self.reducer.finish_backward()
         self._free_units()
 
     def _free_units(self) -> None:
@@ -319,36 +266,3 @@ class Engine:
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding."""
         return sum(f.layout.numel for f in self.flats if f.trainable or not trainable_only)
-
-
-def _grad_ready(engine: "weakref.ref[Engine]", unit_index: int, flat_index: int, param: nn.Parameter) -> None:
-    live = engine()
-    if live is not None:
-        live._on_grad(unit_index, flat_index, param)
-
-
-def _precision(config: Config) -> Precision:
-    compute = config.dtype(None)
-    # With accumulation, stages 2-3 add each micro-batch's reduced gradient into the shard: in fp32,
-    # so that many small bf16/fp16 additions do not lose precision.
-    accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute
-    return Precision(param_dtype=compute, reduce_dtype=config.dtype(config.communication_data_type),
-                     accumulate_dtype=accumulate, offload=config.zero.offload_optimizer,
-                     pin_memory=config.zero.offload_pin_memory)
-
-
-def _convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
-    """Floating buffers follow the compute dtype, as module.to(dtype) would do."""
-    for m in module.modules():
-        for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                m._buffers[name] = b.to(dtype)
-
-
-def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for prefix, m in module.named_modules():
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out

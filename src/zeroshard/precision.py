@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .config import Config
 
 logger = logging.getLogger("zeroshard")
 
@@ -32,6 +37,24 @@ class Precision:
 
     def master_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu") if self.offload else device
+
+    @staticmethod
+    def from_config(config: "Config") -> "Precision":
+        compute = config.dtype(None)
+        # With accumulation, stages 2-3 add each micro-batch's reduced gradient into the shard: in
+        # fp32, so that many small bf16/fp16 additions do not lose precision.
+        accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute
+        return Precision(param_dtype=compute, reduce_dtype=config.dtype(config.communication_data_type),
+                         accumulate_dtype=accumulate, offload=config.zero.offload_optimizer,
+                         pin_memory=config.zero.offload_pin_memory)
+
+
+def convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Floating buffers follow the compute dtype, as module.to(dtype) would do."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)
 
 
 @dataclass

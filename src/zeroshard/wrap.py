@@ -69,6 +69,16 @@ def assign_params(model: nn.Module, units: list[str]) -> dict[str, list[tuple[tu
     return assigned
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers module.state_dict() holds, by qualified name."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
 class Unit:
     """A module and its flat parameters; at stage 3 it is gathered before use and freed after."""
 
