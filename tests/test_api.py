@@ -59,6 +59,13 @@ def _api(rank: int, world_size: int) -> None:
         for half in (slice(0, 2), slice(2, 4)):
             split.backward(loss_fn(split(x[half]), y[half]) / 2)
         split.step()
+        # The same with overlap_comm: the first backward reduces during backward, the second is
+        # reduced at its end and added (stages 0-1 keep their full gradient between them).
+        eager = zeroshard.initialize(_copy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+                                     {"zero_optimization": {"stage": stage, "overlap_comm": True}})
+        for half in (slice(0, 2), slice(2, 4)):
+            eager.backward(loss_fn(eager(x[half]), y[half]) / 2)
+        eager.step()
         # The same with the first backward inside no_sync(): nothing is communicated until the second.
         quiet = zeroshard.initialize(_copy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
                                      {"zero_optimization": {"stage": stage}})
@@ -71,10 +78,11 @@ def _api(rank: int, world_size: int) -> None:
         # The user may call loss.backward() directly; step() finishes the reduction.
         loss_fn(engine(x), y).backward()
         engine.step()
-        a, b, c = engine.full_state_dict(), split.full_state_dict(), quiet.full_state_dict()
+        a, b = engine.full_state_dict(), split.full_state_dict()
+        c, d = quiet.full_state_dict(), eager.full_state_dict()
         for name in a:
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(c[name], b[name], rtol=1e-5, atol=1e-6)
+            for other in (a, c, d):
+                torch.testing.assert_close(other[name], b[name], rtol=1e-5, atol=1e-6)
 
 
 def _copy(model: TinyGPT) -> TinyGPT:

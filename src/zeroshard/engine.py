@@ -118,6 +118,7 @@ class Engine:
         yet reduced (stages 2-3; inside no_sync() nothing is reduced)."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self.reducer.eager_full = self.config.overlap_comm and self.is_gradient_accumulation_boundary()
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         (loss * factor if factor != 1.0 else loss).backward()
         self._finish_backward()
@@ -159,8 +160,9 @@ class Engine:
         self._free_units()  # a unit gathered now (a forward without backward) would go stale
         if not self.policy.shard_grads:
             for flat in self.flats:
-                if flat.trainable:
+                if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
                     flat.reduce_grads()
+        self.reducer.reduced_this_step = False
         skipped = self.scaler.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,

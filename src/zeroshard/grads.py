@@ -1,5 +1,8 @@
 """When gradients are reduced: each buffer as soon as all its gradients are in, in one fixed order.
 
+(Stages 0-1 do the same with overlap_comm, on the backward that ends an accumulation cycle; a
+further backward before the step is reduced at its end and added. Without it they reduce at step().)
+
 Each trainable parameter's post-accumulate-grad hook moves its gradient into its flat buffer. At
 stages 2-3 a complete buffer is reduce-scattered at once (asynchronously with overlap_comm, at most
 two in flight so memory stays bounded) — but only in one fixed order: reverse registration, roughly
@@ -30,6 +33,10 @@ class GradientReducer:
         self.order = [f for f in reversed(self.flats) if f.trainable]
         self.on_complete = on_complete  # accounting: a full gradient is at its largest now
         self.sync = True                # False inside Engine.no_sync(): accumulate, do not reduce
+        # Stages 0-1 reduce during backward only when told this backward ends the accumulation
+        # (Engine.backward with overlap_comm); otherwise Engine.step() reduces.
+        self.eager_full = False
+        self.reduced_this_step = False
         self._next = 0                  # position in `order` of the next buffer to reduce
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
         self._unit_of = {id(f): u for u in units for f in u.flats}
@@ -49,7 +56,7 @@ class GradientReducer:
         flat = self.units[unit_index].flats[flat_index]
         if flat.accumulate(param):
             self.on_complete()
-            if self.policy.shard_grads and self.sync:
+            if self.sync and (self.policy.shard_grads or self.eager_full) and not self.reduced_this_step:
                 while self._next < len(self.order) and self.order[self._next].complete:
                     self._reduce(self.order[self._next], async_op=self.overlap)
                     self._next += 1
@@ -65,12 +72,19 @@ class GradientReducer:
 
     def finish_backward(self) -> None:
         """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order."""
-        if self.policy.shard_grads and self.sync:
+        late = self.reduced_this_step and not self.policy.shard_grads
+        if self.sync and not late and (self.policy.shard_grads or self.eager_full):
             for flat in self.order[self._next:]:
                 self._reduce(flat, async_op=False)  # nothing left to overlap with; memory stays flat
+            self.reduced_this_step = not self.policy.shard_grads
         self._next = 0
         for flat in self.flats:
             flat.finish_reduce()
+        if late and self.sync:  # stages 0-1: a backward after this step's reduction, in order
+            for flat in self.order:
+                flat.reduce_late()
+        self.eager_full = False
+        for flat in self.flats:
             flat.end_backward()
         self._reducing = None
 

@@ -86,6 +86,7 @@ class FlatParam:
         self._pending: set[int] = set()
         self._inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
         self._gathering: Pending = []  # an all-gather issued by prefetch()
+        self._late: torch.Tensor | None = None  # stages 0-1: gradients after this step's reduction
         if trainable:
             self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
         if not self.persistent:
@@ -185,7 +186,12 @@ class FlatParam:
         slot = self.slot_of[id(param)]
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
             self.grad_full = torch.zeros_like(self.full)
-        self.grad_full[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        target = self.grad_full
+        if self.reduced and not self.policy.shard_grads:  # stages 0-1, a backward after the reduction
+            if self._late is None:
+                self._late = torch.zeros_like(self.full)
+            target = self._late
+        target[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
         param.grad = None
         self._pending.discard(id(param))
         return not self._pending
@@ -239,10 +245,25 @@ class FlatParam:
             if self.policy.shard_optimizer and self.persistent:
                 self._all_gather(self.full, self.shard)  # stages 1-2, and persistent stage-3 buffers
 
+    def reduce_late(self) -> None:
+        """Stages 0-1: average the gradients of a backward that came after this step's reduction
+        (zeros if none arrived here) and add them to the reduced gradient."""
+        late = self._late if self._late is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
+        if self.policy.shard_optimizer:
+            chunks = self.layout.shard_chunks(self.buckets.reduce)
+            self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
+        else:
+            self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
+            self.grad_full.add_(late)
+        self._late = None
+
     def end_backward(self) -> None:
-        """Forget which parameters reported during the backward that just ended."""
+        """Forget which parameters reported during the backward that just ended. (At stages 0-1
+        `reduced` lasts until the step: later backwards add to it through reduce_late.)"""
         self._pending = set(self.slot_of) if self.trainable else set()
-        self.reduced = False
+        if self.policy.shard_grads:
+            self.reduced = False
 
     def zero_grad(self) -> None:
         if self.grad_full is not None and not self.policy.shard_grads:
