@@ -37,7 +37,8 @@ from zeroshard.gpt import GPT, GPTConfig, lm_loss
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> detached loss
 ALL = (["ddp", "zero_optim", "fsdp2_reshard", "fsdp2_keep"]
        + [f"{lib}_{stage}" for lib in ("zeroshard", "deepspeed") for stage in range(4)]
-       + [f"zeroshard-overlap_{stage}" for stage in (0, 1, 2)])  # overlap_comm (on by default at 3)
+       + [f"zeroshard-overlap_{stage}" for stage in (0, 1, 2)]  # overlap_comm forced on (default at 3)
+       + ["zeroshard-sync_3"])  # overlap_comm forced off
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
@@ -108,10 +109,10 @@ def engine_step(engine, after_backward: Callable[[], None] = lambda: None) -> St
     return step
 
 
-def build_zeroshard(model: GPT, args: argparse.Namespace, stage: int, stats: dict, overlap: bool) -> Step:
+def build_zeroshard(model: GPT, args: argparse.Namespace, stage: int, stats: dict, overlap: bool | None) -> Step:
     import zeroshard
-    engine = zeroshard.initialize(model, optimizer=lambda p: adamw(p, args),
-                                  config={"zero_optimization": {"stage": stage, "overlap_comm": overlap}})
+    zero = {"stage": stage} if overlap is None else {"stage": stage, "overlap_comm": overlap}  # None: default
+    engine = zeroshard.initialize(model, optimizer=lambda p: adamw(p, args), config={"zero_optimization": zero})
     stats.update(calls=0, summary=lambda: {
         "psi": engine.num_parameters(), "model_states": stats["model_states"],
         "traffic": {k: v["bytes"] for k, v in engine.comm_stats()["last_step"].items()}})
@@ -145,7 +146,8 @@ def build(name: str, args: argparse.Namespace, stats: dict) -> Step:
     if name.startswith("fsdp2"):
         return build_fsdp2(model, args, reshard=name.endswith("reshard"))
     if name.startswith("zeroshard"):
-        return build_zeroshard(model, args, int(stage), stats, overlap="overlap" in name)
+        overlap = True if "-overlap" in name else False if "-sync" in name else None
+        return build_zeroshard(model, args, int(stage), stats, overlap)
     return build_deepspeed(model, args, int(stage))
 
 
