@@ -102,3 +102,21 @@ def _mismatch(rank: int, world_size: int, what: str) -> None:
 @pytest.mark.parametrize("what", ["model", "config"])
 def test_mismatched_ranks_are_refused_on_every_rank(what):
     spawn(_mismatch, 2, what)
+
+
+@pytest.mark.parametrize("config", [{"zero_optimization": {"stage": 3}},
+                                    {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}])
+def test_a_failed_initialize_leaves_the_model_usable(config):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    x = torch.randint(0, 37, (2, 8))
+    before = model(x).detach()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(zeroshard.ConfigError, match="could not build the optimizer"):
+        zeroshard.initialize(model, config={**config, "optimizer": {"type": "Adam", "params": {"lrr": 1}}})
+    assert all(torch.equal(model.state_dict()[k], v) and model.state_dict()[k].dtype == v.dtype
+               for k, v in state.items())
+    torch.testing.assert_close(model(x), before)
+    psi = sum(p.numel() for p in dict(model.named_parameters()).values())
+    engine = zeroshard.initialize(model, _adam, config)  # and it can be wrapped once fixed
+    assert engine.num_parameters() == psi

@@ -3,17 +3,17 @@
 One step, at every stage:
   forward    stage 3 gathers each unit before use and frees it after (hooks in wrap.Unit);
   backward   each parameter's gradient moves into its flat buffer as soon as it is accumulated;
-             stages 2-3 reduce-scatter a flat buffer the moment all its gradients are in;
-  step       stages 0-1 reduce now (all-reduce / reduce-scatter), the optimizer updates the flat
-             tensors it owns, stages 1-2 all-gather the updated parameters, gradients are cleared.
+             complete buffers are reduced in one fixed order (grads.py): during backward at
+             stages 2-3 (and 0-1 with overlap_comm), else at step();
+  step       the optimizer updates the flat tensors it owns (fp32 masters), stages 1-2
+             all-gather the updated parameters, gradients are cleared.
 """
 from __future__ import annotations
 
 import logging
 from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ from . import checkpoint
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
-from .memory import optimizer_state_bytes, tensor_bytes
 from .grads import GradientReducer
+from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
 from .unit import Buckets, FlatParam, StagePolicy
@@ -41,17 +41,30 @@ class Engine:
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
-        module._zeroshard_wrapped = True
         self.module, self.config, self.comm = module, config, comm
+        original_dtypes = {id(p): p.dtype for p in module.parameters()}
+        self.flats: list[FlatParam] = []  # filled as buffers are built, so a failure can undo them
+        try:
+            self._build(optimizer, param_groups, lr_scheduler)
+        except BaseException:
+            self._restore_module(original_dtypes)  # a failed initialize leaves the model as it was
+            raise
+        module._zeroshard_wrapped = True
+
+    def _build(self, optimizer: OptimizerSpec, param_groups: list[dict] | None, lr_scheduler: Any) -> None:
+        module, config, comm = self.module, self.config, self.comm
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = Precision.from_config(config)
         self.scaler = LossScaler(config.scaler)
-        convert_buffers(module, self.precision.param_dtype)
         options, group_of = resolve_groups(module, param_groups)
+        # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
+        build_optimizer(optimizer, config, [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options])
+        if hasattr(lr_scheduler, "state_dict"):
+            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
+                            "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
+                            "not over engine.optimizer, and would change nothing")
         self.units = self._build_units(group_of)
-        self.flats = [f for u in self.units for f in u.flats]
         self._state_dict_keys = list(module.state_dict().keys())
-        self._buffers = persistent_buffers(module)
         with torch.no_grad(), comm.outside_step():
             for b in dict.fromkeys(module.buffers()):
                 comm.broadcast(b, 0)
@@ -61,12 +74,7 @@ class Engine:
         self.optimizer = build_optimizer(optimizer, config, groups)
         # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
         # steps after every real optimizer step and saves in checkpoints.
-        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
-            lr_scheduler, "state_dict") else lr_scheduler
-        if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is not self.optimizer:
-            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
-                            "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
-                            "not over engine.optimizer, and would change nothing")
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
         if self.policy.shard_params and len(self.units) == 1 and comm.rank == 0:
@@ -76,11 +84,24 @@ class Engine:
         if self.policy.shard_params:
             for unit in self.units:
                 unit.install_stage3_hooks(self.unit_order)
+        convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
+        self._buffers = persistent_buffers(module)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
         self._backward_finished = False
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
+
+    def _restore_module(self, original_dtypes: dict[int, torch.dtype]) -> None:
+        """Give every parameter its own tensor again, with its values (from the master where there is
+        one) and original dtype. Collective at stage 3, where every rank fails alike."""
+        with torch.no_grad(), self.comm.outside_step():
+            for flat in self.flats:
+                full = flat.gathered_copy()
+                for p, slot in zip(flat.params, flat.layout.slots):
+                    value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    p.data = value.to(original_dtypes[id(p)], copy=True)
+
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
         names = find_units(self.module, self.config.unit_modules)
@@ -98,6 +119,7 @@ class Engine:
                                  persistent=numel <= zero.stage3_param_persistence_threshold,
                                  group=group)
                 flats.append(flat)
+                self.flats.append(flat)
             if flats:
                 units.append(Unit(name, self.module.get_submodule(name), flats))
         return units
