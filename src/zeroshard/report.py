@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .estimate import PRECISIONS as BYTES_PER_PARAM  # (params, grads, optimizer) bytes
 from .memory import paper_model_state_bytes
 
 MIB = 2**20
-BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}  # params, grads, optimizer
 
 
 def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision: str) -> list[str]:

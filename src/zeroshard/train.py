@@ -121,7 +121,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         _report(engine, args, per_rank, history, val, text)
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
-            "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": _psi(engine)}
+            "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": engine.num_parameters()}
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -146,10 +146,6 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _psi(engine) -> int:
-    return engine.num_parameters()
-
-
 @torch.no_grad()
 def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
     rng = torch.Generator().manual_seed(12345 + dist.get_rank())
@@ -170,7 +166,7 @@ def _sample(engine, args: TrainArgs) -> str:
 
 def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
             text: str) -> None:
-    psi, world = _psi(engine), dist.get_world_size()
+    psi, world = engine.num_parameters(), dist.get_world_size()
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters; ZeRO stage {args.stage}, "
           f"{world} ranks, {args.precision} AdamW ({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
     for line in memory_table(per_rank, psi, args.stage, args.precision):
