@@ -14,12 +14,13 @@ from torch import nn
 from .checkpoint import CheckpointError, consolidate
 from .comm import Comm, ensure_process_group
 from .config import Config, ConfigError
+from .construct import init, is_deferred, materialize
 from .checks import ModelMismatchError
 from .engine import Engine
 from .memory import paper_model_state_bytes
 from .optim import OptimizerSpec
 
-__all__ = ["initialize", "consolidate", "Config", "ConfigError", "CheckpointError", "Engine",
+__all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "Config", "ConfigError", "CheckpointError", "Engine",
            "ModelMismatchError", "paper_model_state_bytes"]
 __version__ = "0.1.0"
 

@@ -22,6 +22,7 @@ from . import checkpoint
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
+from .construct import deferred_non_parameters, materialize_
 from .grads import GradientReducer
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
@@ -63,6 +64,7 @@ class Engine:
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
                             "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
                             "not over engine.optimizer, and would change nothing")
+        materialize_(deferred_non_parameters(module), module)  # buffers are replicated: all at once
         self.units = self._build_units(group_of)
         self._state_dict_keys = list(module.state_dict().keys())
         with torch.no_grad(), comm.outside_step():
@@ -109,6 +111,11 @@ class Engine:
         buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size)
         units = []
         for name, named_params in assign_params(self.module, names).items():
+            # Built under zeroshard.init(): materialized one unit at a time, so at stage 3 a
+            # rank never holds more than its shards and one unit in full.
+            replaced = materialize_((p for _, p in named_params), self.module)
+            named_params = [(n, replaced.get(id(p), p)) for n, p in named_params]
+            group_of.update({id(replaced[old]): group_of[old] for old in replaced if old in group_of})
             by_group: dict[int, list] = {}
             for names_and_param in named_params:  # frozen parameters get a buffer of their own (-1)
                 by_group.setdefault(group_of.get(id(names_and_param[1]), -1), []).append(names_and_param)
