@@ -40,6 +40,7 @@ class InitZoo(nn.Module):
             self.a.bias.copy_(torch.linspace(-1, 1, 16))
         self.b.weight.data = self.b.weight.data * 2
         rates = [x.item() for x in torch.linspace(0, 0.1, 3)]  # timm's drop-path schedule
+        rates += torch.linspace(0.2, 0.3, 2).tolist()
         self.register_buffer("rates", torch.tensor(rates))
         self.register_buffer("mask", torch.ones(4, 4).tril())
         self.freqs = torch.randn(5)

@@ -119,6 +119,12 @@ class DeferredTensor(torch.Tensor):
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("meta") if getattr(_in_meta_kernel, "on", False) else self.deferred_device
 
+    def tolist(self) -> Any:  # these read values without dispatching an op: materialize first
+        return self.recording.materialize([self])[0].tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.recording.materialize([self])[0].numpy(force=force)
+
     def __repr__(self) -> str:
         return f"DeferredTensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.deferred_device})"
 
@@ -157,11 +163,12 @@ class Recording(TorchDispatchMode):
         self.device = device
         self.ops: list[_Op] = []
         self._alive: list[torch.UntypedStorage] = []  # keeps storage identities from being reused
+        self._replaying = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.prim.device.default:
-            return func(*args, **kwargs)
+        if func is torch.ops.prim.device.default or self._replaying:
+            return func(*args, **kwargs)  # replaying (tolist() inside init()): real ops
         flat = tree_flatten((args, kwargs))[0]
         if any(isinstance(a, DeferredTensor) for a in flat):
             return self.run(func, args, kwargs, default_device=None)
@@ -256,10 +263,14 @@ class Recording(TorchDispatchMode):
                 plan.append(op)
                 needed |= op.reads
         storages: dict[int, torch.UntypedStorage] = {}
-        with torch.no_grad():
-            for op in reversed(plan):
-                self._replay(op, storages)
-            return [_view(storages, _ref(t)) if isinstance(t, DeferredTensor) else t for t in tensors]
+        replaying, self._replaying = self._replaying, True
+        try:
+            with torch.no_grad():
+                for op in reversed(plan):
+                    self._replay(op, storages)
+                return [_view(storages, _ref(t)) if isinstance(t, DeferredTensor) else t for t in tensors]
+        finally:
+            self._replaying = replaying
 
     def _replay(self, op: _Op, storages: dict[int, torch.UntypedStorage]) -> None:
         real = lambda x: _view(storages, x) if isinstance(x, _Ref) else x

@@ -84,7 +84,11 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
     ensure_process_group()  # from the launcher's variables (initialize would, but DDP does not)
     torch.manual_seed(args.seed)
-    model = build_model(args)
+    if args.stage == DDP:
+        model = build_model(args)
+    else:  # partitioned construction: the same values, but no rank ever holds the whole model
+        with zeroshard.init():
+            model = build_model(args)
     make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1)  # noqa: E731
     engine = DDPBaseline(model, make_opt) if args.stage == DDP else \
         zeroshard.initialize(model, make_opt, args.engine_config())
