@@ -52,13 +52,27 @@ class InitZoo(nn.Module):
             nn.init.normal_(m.weight, std=0.02 / math.sqrt(2))
 
 
+class Wrappers(nn.Module):
+    """Code that deep-copies (nn.TransformerEncoder), re-points tensors (parametrize), tags
+    parameters with attributes (Mamba's _no_weight_decay) and keeps tensors in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.orth = torch.nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, 5).float()))
+        self.A_log._no_weight_decay = True
+        self.saved = [torch.randn(2)]
+
+
 def _tiny_hf_gpt2() -> nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config
     return AutoModelForCausalLM.from_config(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
                                                        n_positions=16, bos_token_id=0, eos_token_id=0))
 
 
-BUILDERS = {"zoo": InitZoo, "tiny_gpt": TinyGPT, "gpt": lambda: GPT(GPTConfig(vocab_size=50, seq_len=16, layers=2, width=32, heads=2)),
+BUILDERS = {"zoo": InitZoo, "wrappers": Wrappers, "tiny_gpt": TinyGPT, "gpt": lambda: GPT(GPTConfig(vocab_size=50, seq_len=16, layers=2, width=32, heads=2)),
             "hf_gpt2": _tiny_hf_gpt2}
 
 
@@ -89,9 +103,36 @@ def test_materialize_is_bit_identical_to_ordinary_construction(kind):
         assert got[name].dtype == value.dtype and torch.equal(got[name], value), name
     for name, p in tied:  # identity (ties, optimizers holding them) survives materialization...
         assert model.get_parameter(name) is p or name.startswith("gru.")
+    if kind == "wrappers":
+        assert model.A_log._no_weight_decay and torch.equal(model.saved[0], reference.saved[0])
+        assert torch.equal(model.orth.weight, reference.orth.weight)
     if kind == "zoo":  # ...except where weakly referenced (nn.RNN): replaced, and the RNN follows
         x = torch.randn(3, 2, 8)
         assert torch.equal(model.gru(x)[0], reference.gru(x)[0])
+
+
+def test_state_outside_the_recording_is_respected():
+    """Replay sees the default dtype of its time, and ops go to their tensors' own recording."""
+    def build() -> nn.Module:
+        torch.set_default_dtype(torch.float64)
+        try:
+            m = nn.Linear(3, 2)
+            m.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 4, 2) / 4)))  # promotion
+            return m
+        finally:
+            torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    reference = build()
+    torch.manual_seed(0)
+    with zeroshard.init():
+        model = build()
+    with zeroshard.init():  # a later block changes the first model: it is still recorded there
+        with torch.no_grad():
+            model.bias.fill_(5.0)
+            reference.bias.fill_(5.0)
+    zeroshard.materialize(model)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
 
 
 def test_deferred_model_is_refused_where_it_has_no_data():

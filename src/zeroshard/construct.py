@@ -11,13 +11,14 @@ bit-identical to `GPT(config)` built normally from the same seed, at any world s
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .deferred import DeferredTensor, Recording
+from .deferred import DeferredTensor
+from .recording import Recording
 
 
 @contextmanager
@@ -25,9 +26,15 @@ def init(device: torch.device | str | None = None) -> Iterator[Recording]:
     """Tensors made inside this context are deferred: they have shapes but no memory until
     initialize() (or materialize()). `device`: where they would have been made (default: torch's
     default device); its random generator advances exactly as in an ordinary construction."""
-    recording = Recording(torch.device(device) if device is not None else torch.get_default_device())
-    with recording:
-        yield recording
+    # Factories receive torch's default device explicitly; a torch.device context changes it.
+    where = torch.device(device) if device is not None else nullcontext()
+    with where:
+        recording = Recording(torch.get_default_device())
+        with recording:
+            yield recording
+
+
+_OWN_ATTRIBUTES = ("recording", "deferred_device", "_is_param")
 
 
 def is_deferred(t: object) -> bool:
@@ -48,11 +55,17 @@ def materialize_(tensors: Iterable[torch.Tensor], module: nn.Module | None = Non
         for t, value in zip(deferred, values):
             if isinstance(t, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=t.requires_grad)
-            if weakref.getweakrefs(t) and module is not None:
+            # Attributes set on the tensor (e.g. `p._no_weight_decay = True`) stay with it.
+            value.__dict__.update({k: v for k, v in t.__dict__.items() if k not in _OWN_ATTRIBUTES})
+            try:
+                if weakref.getweakrefs(t):
+                    raise RuntimeError("weakly referenced")
+                torch.utils.swap_tensors(t, value)
+            except RuntimeError:  # weakly referenced (nn.RNN), or saved for backward during init
+                if module is None:
+                    raise
                 _replace(module, t, value)
                 replaced[id(t)] = value
-            else:
-                torch.utils.swap_tensors(t, value)
     return replaced
 
 
@@ -68,15 +81,21 @@ def _replace(module: nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def deferred_non_parameters(module: nn.Module) -> list[torch.Tensor]:
-    """Deferred buffers, and deferred tensors kept as plain module attributes."""
+    """Deferred buffers, and deferred tensors kept as plain module attributes (also inside a
+    list, tuple or dict attribute)."""
     found = [b for b in module.buffers() if is_deferred(b)]
     for m in module.modules():
-        found += [v for v in vars(m).values() if is_deferred(v)]
+        for name, value in vars(m).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            found += [v for v in items if is_deferred(v) and not isinstance(v, nn.Parameter)]
     return found
 
 
 def materialize(module: nn.Module) -> nn.Module:
     """Materialize a whole model built under init() (all of it at once: for use without an
     engine, e.g. a single-process reference). Returns the module."""
-    materialize_(list(module.parameters()) + deferred_non_parameters(module), module)
+    materialize_(deferred_non_parameters(module), module)  # first, as initialize() does: a
+    materialize_(list(module.parameters()), module)        # buffer may hold a parameter's autograd graph
     return module

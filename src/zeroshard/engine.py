@@ -11,24 +11,23 @@ One step, at every stage:
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, memory
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .grads import GradientReducer
-from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
 from .unit import Buckets, FlatParam, StagePolicy
-from .wrap import Unit, UnitOrder, assign_params, find_units, persistent_buffers
+from .wrap import Unit, UnitOrder, assign_params, find_units, install_hooks, persistent_buffers
 
 logger = logging.getLogger("zeroshard")
 
@@ -79,13 +78,9 @@ class Engine:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
-        if self.policy.shard_params and len(self.units) == 1 and comm.rank == 0:
-            logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
-                           "zeroshard.unit_modules match): every parameter stays gathered from "
-                           "forward to backward; name your block classes in zeroshard.unit_modules")
-        if self.policy.shard_params:
-            for unit in self.units:
-                unit.install_stage3_hooks(self.unit_order)
+        if install_hooks(self.units, self.unit_order, self.policy, config.overlap_comm, comm.rank):
+            engine = weakref.ref(self)  # stages 1-2 gathering behind the forward: see wrap.py
+            module.register_state_dict_pre_hook(lambda *_: engine() and engine()._wait_for_parameters())
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
         self._buffers = persistent_buffers(module)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
@@ -93,6 +88,12 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._backward_finished = False
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
+
+    def _wait_for_parameters(self) -> None:
+        """Complete the post-step all-gathers still in flight (stages 1-2 with overlap_comm)."""
+        if not self.policy.shard_params:
+            for flat in self.flats:
+                flat.gather()
 
     def _restore_module(self, original_dtypes: dict[int, torch.dtype]) -> None:
         """Give every parameter its own tensor again, with its values (from the master where there is
@@ -187,6 +188,7 @@ class Engine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
         self._free_units()  # a unit gathered now (a forward without backward) would go stale
+        self._wait_for_parameters()  # the optimizer is about to write into what they gather into
         if not self.policy.shard_grads:
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
@@ -224,6 +226,7 @@ class Engine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
                                "accumulated gradients; save after the step() that ends the cycle")
+        self._wait_for_parameters()
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
@@ -237,6 +240,7 @@ class Engine:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
         any world size and stage; returns the saved client_state. Nothing changes if it fails."""
         self._free_units()  # what is gathered now would shadow the loaded shards
+        self._wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
             for flat in self.flats:
@@ -257,6 +261,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank."""
         values: dict[str, torch.Tensor] = {}
+        self._wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
                 full = flat.gathered_copy()
@@ -271,18 +276,8 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: model states by category, module buffers and temporaries."""
-        held = Counter()
-        for flat in self.flats:
-            held.update(flat.bytes_held())
-        # The paper's K counts the fp32 master copy with the optimizer state (K = 12 for Adam).
-        optimizer = optimizer_state_bytes(self.optimizer) + held["master"]
-        stats = {"params": held["params"], "grads": held["grads"], "optimizer": optimizer,
-                 "buffers": tensor_bytes(self.module.buffers()), "temporary": held["temporary"]}
-        stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
-        stats["offloaded"] = optimizer if self.precision.offload else 0  # held in host memory
-        stats["peak_temporary"] = max(self.peak_temporary, stats["temporary"])
-        stats["largest_bucket"] = self.comm.largest_bucket
-        return stats
+        return memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
+                                   self.peak_temporary, self.comm.largest_bucket)
 
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at

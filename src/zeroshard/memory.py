@@ -7,9 +7,11 @@ mixed-precision Adam: p = g = 2, k = 12.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable
 
 import torch
+from torch import nn
 
 
 def paper_model_state_bytes(psi: float, world_size: int, stage: int, param_bytes: float = 2,
@@ -36,3 +38,20 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
                         if isinstance(v, torch.Tensor))
+
+
+def engine_stats(flats: list, optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
+                 peak_temporary: int, largest_bucket: int) -> dict[str, int]:
+    """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category."""
+    held: Counter = Counter()
+    for flat in flats:
+        held.update(flat.bytes_held())
+    # The paper's K counts the fp32 master copy with the optimizer state (K = 12 for Adam).
+    optim = optimizer_state_bytes(optimizer) + held["master"]
+    stats = {"params": held["params"], "grads": held["grads"], "optimizer": optim,
+             "buffers": tensor_bytes(module.buffers()), "temporary": held["temporary"]}
+    stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
+    stats["offloaded"] = optim if offload else 0  # held in host memory
+    stats["peak_temporary"] = max(peak_temporary, stats["temporary"])
+    stats["largest_bucket"] = largest_bucket
+    return stats

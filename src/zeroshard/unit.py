@@ -12,43 +12,13 @@ Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import Enum
-
 import torch
 from torch import nn
 
 from .comm import Comm, Pending, complete
 from .partition import build_layout
+from .policy import Buckets, ParamState, StagePolicy
 from .precision import Precision
-
-
-@dataclass(frozen=True)
-class StagePolicy:
-    """A ZeRO stage as data: which model states are sharded across the data-parallel ranks."""
-
-    shard_optimizer: bool
-    shard_grads: bool
-    shard_params: bool
-
-    @staticmethod
-    def for_stage(stage: int) -> "StagePolicy":
-        return StagePolicy(stage >= 1, stage >= 2, stage >= 3)
-
-
-class ParamState(Enum):
-    SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
-    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch); not yet usable
-    GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
-
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """Largest number of elements a single collective may move (DeepSpeed's bucket sizes)."""
-
-    reduce: int
-    gather: int
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -75,6 +45,7 @@ class FlatParam:
         if policy.shard_params:
             self.shard = self.shard.clone()
         self.state = ParamState.GATHERED
+        self.gather_behind_forward = False  # stages 1-2 with overlap_comm: set by the engine
         self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
         self._point_params_at_full()
         self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
@@ -138,7 +109,8 @@ class FlatParam:
         self.state = ParamState.GATHERING
 
     def gather(self) -> None:
-        """Make `full` current and point module parameters at it (stage 3; a no-op otherwise)."""
+        """Make `full` current and point module parameters at it (a no-op where it is: always at
+        stages 0-2, except after a step with gather_behind_forward)."""
         if self.state is ParamState.GATHERED:
             return
         self.prefetch()
@@ -242,7 +214,14 @@ class FlatParam:
         with torch.no_grad():
             if self.master is not updated:
                 updated.copy_(self.master)
-            if self.policy.shard_optimizer and self.persistent:
+            if not (self.policy.shard_optimizer and self.persistent):
+                return
+            if self.gather_behind_forward:  # lands while the next forward runs: see gather()
+                self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+                for p in self.params:  # stray reads fail loudly rather than see half-written values
+                    p.data = self._placeholder
+                self.state = ParamState.GATHERING
+            else:
                 self._all_gather(self.full, self.shard)  # stages 1-2, and persistent stage-3 buffers
 
     def reduce_late(self) -> None:

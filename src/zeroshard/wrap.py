@@ -10,6 +10,7 @@ which stays gathered for the whole forward and backward.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Callable
 
@@ -17,7 +18,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .policy import StagePolicy
 from .unit import FlatParam
+
+logger = logging.getLogger("zeroshard")
 
 ROOT = ""
 
@@ -107,6 +111,11 @@ class Unit:
         if self.free_when_reduced and self.passed and all(f.reduced for f in self.flats if f.trainable):
             self.free()
 
+    def install_gather_hook(self) -> None:
+        """Stages 1-2 with overlap_comm: wait for this unit's post-step all-gather before its forward."""
+        unit = weakref.ref(self)
+        self.module.register_forward_pre_hook(lambda module, args: unit() and unit().gather())
+
     def install_stage3_hooks(self, order: "UnitOrder") -> None:
         """Gather before forward and before backward; free after forward (the root stays). The
         hooks live on the user's module: they hold weak references, so a dropped engine is freed."""
@@ -134,6 +143,27 @@ class Unit:
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grad: order.before_backward(self), mode="any")
+
+
+def install_hooks(units: list[Unit], order: "UnitOrder", policy: StagePolicy, overlap: bool, rank: int) -> bool:
+    """Stage 3: gather/free hooks on every unit. Stages 1-2 with overlap_comm: the post-step
+    all-gather is issued, not waited for, and each unit waits for its own right before its forward,
+    so the gather hides behind the forward's compute. Returns whether that was set up."""
+    if policy.shard_params:
+        if len(units) == 1 and rank == 0:
+            logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
+                           "zeroshard.unit_modules match): every parameter stays gathered from "
+                           "forward to backward; name your block classes in zeroshard.unit_modules")
+        for unit in units:
+            unit.install_stage3_hooks(order)
+        return False
+    if not (policy.shard_optimizer and overlap):
+        return False
+    for unit in units:
+        unit.install_gather_hook()
+        for flat in unit.flats:
+            flat.gather_behind_forward = True
+    return True
 
 
 class UnitOrder:
