@@ -78,3 +78,42 @@ def _constant_buffers(rank: int, world_size: int) -> None:
 
 def test_temporary_buffers_do_not_grow_with_the_model():
     spawn(_constant_buffers, 2)
+
+
+def _prefetch_limits(rank: int, world_size: int) -> None:
+    """stage3_prefetch_bucket_size and stage3_max_live_parameters bound how many units are gathered
+    at once during forward, with DeepSpeed's meanings; they never change the results."""
+    x, y = rank_batch(rank, world_size)
+    block = 4 * 32 * 32 * 2 + 4 * 32 + 32 + 2 * 32  # elements of one Block(d=32), padded to N below
+    unit = -(-block // world_size) * world_size
+    root = None
+    results = {}
+    for name, extra in {"next unit": {}, "none": {"stage3_prefetch_bucket_size": 0},
+                        "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
+                        "3 units, live cap": {"stage3_prefetch_bucket_size": 3 * unit,
+                                              "stage3_max_live_parameters": "root + 2 units"}}.items():
+        torch.manual_seed(0)
+        model = TinyGPT(d=32, layers=8)
+        if extra.get("stage3_max_live_parameters") == "root + 2 units":
+            extra = {**extra, "stage3_max_live_parameters": root + 2 * unit}
+        engine = zeroshard.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3),
+                                      {"zero_optimization": {"stage": 3, **extra},
+                                       "zeroshard": {"unit_modules": ["Block"]}})
+        root = engine.units[0].numel
+        most = []
+        for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward
+            b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
+        losses = []
+        for _ in range(2):
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[name] = (max(most), losses)
+    assert results["none"][0] == 1 and results["next unit"][0] == 2
+    assert results["3 units"][0] == 4 and results["3 units, live cap"][0] == 2
+    assert len({tuple(losses) for _, losses in results.values()}) == 1  # bit-identical losses
+
+
+def test_prefetch_bucket_and_max_live_parameters():
+    spawn(_prefetch_limits, 3)

@@ -37,6 +37,8 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000      # max elements one gradient collective moves
     allgather_bucket_size: int = 500_000_000   # max elements one parameter all-gather moves
     stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
+    stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
+    stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
     contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
     overlap_comm: bool | None = None          # None: on at stage 3 only, as in DeepSpeed
     reduce_scatter: bool = True

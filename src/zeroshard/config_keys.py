@@ -20,8 +20,7 @@ _NOT_IMPLEMENTED_TOP = {
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
 _NOT_IMPLEMENTED_ZERO = {
-    "offload_param", "cpu_offload", "stage3_prefetch_bucket_size",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "offload_param", "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
     "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
@@ -66,8 +65,9 @@ def _zero(cfg: Config, value: Any) -> None:
                 raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
         elif key in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(z, key, _as_int(name, v, 1))
-        elif key == "stage3_param_persistence_threshold":
-            z.stage3_param_persistence_threshold = _as_int(name, v, 0)
+        elif key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+                     "stage3_max_live_parameters"):
+            setattr(z, key, _as_int(name, v, 0))
         elif key == "contiguous_gradients":
             z.contiguous_gradients = _as_bool(name, v)
         elif key == "offload_optimizer":

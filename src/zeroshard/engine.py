@@ -77,7 +77,8 @@ class Engine:
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
-        self.unit_order = UnitOrder(prefetch=config.overlap_comm, on_gather=self._note_temporaries)
+        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, config.zero.stage3_prefetch_bucket_size,
+                                    config.zero.stage3_max_live_parameters)
         if install_hooks(self.units, self.unit_order, self.policy, config.overlap_comm, comm.rank):
             engine = weakref.ref(self)  # stages 1-2 gathering behind the forward: see wrap.py
             module.register_state_dict_pre_hook(lambda *_: engine() and engine()._wait_for_parameters())

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .policy import StagePolicy
+from .policy import ParamState, StagePolicy
 from .unit import FlatParam
 
 logger = logging.getLogger("zeroshard")
@@ -97,6 +97,16 @@ class Unit:
         for f in self.flats:
             f.gather()
 
+    @property
+    def numel(self) -> int:
+        """Elements this unit gathers (buffers kept gathered do not count)."""
+        return sum(f.layout.padded_numel for f in self.flats if not f.persistent)
+
+    @property
+    def gathered(self) -> bool:
+        """Gathered, or an all-gather in flight."""
+        return any(f.state is not ParamState.SHARDED for f in self.flats if not f.persistent)
+
     def prefetch(self) -> None:
         for f in self.flats:
             f.prefetch()
@@ -169,14 +179,19 @@ def install_hooks(units: list[Unit], order: "UnitOrder", policy: StagePolicy, ov
 class UnitOrder:
     """The order units run in, and (with overlap_comm) prefetching along it.
 
-    Forward prefetches the unit that followed this one in the previous forward; backward prefetches
-    the unit that preceded this one in the current forward. Every rank runs the same graph, so every
+    Forward prefetches the unit(s) that followed this one in the previous forward; backward
+    prefetches those that preceded it in the current forward: the next one by default, or as many
+    as fit in stage3_prefetch_bucket_size elements, as long as the gathered total stays within
+    stage3_max_live_parameters (DeepSpeed's meanings). Every rank runs the same graph, so every
     rank issues the same all-gathers in the same order. A wrong guess (the graph changed) only costs
     memory: the unit stays gathered until it is used or the backward ends.
     """
 
-    def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
+                 prefetch_numel: int | None = None, max_live_numel: int = 10**9) -> None:
         self.enabled = prefetch
+        self.prefetch_numel = prefetch_numel  # None: exactly the next unit
+        self.max_live_numel = max_live_numel
         self.on_gather = on_gather  # accounting: temporaries peak right after a gather
         self.previous: list[Unit] = []  # the last complete forward
         self.current: list[Unit] = []   # this forward, so far
@@ -189,9 +204,7 @@ class UnitOrder:
         unit.passed = False
         self._backward_at = len(self.current)
         unit.gather()
-        position = len(self.current)
-        if self.enabled and position < len(self.previous):
-            self.previous[position].prefetch()
+        self._prefetch(self.previous[len(self.current):])
         self.on_gather()
 
     def before_backward(self, unit: Unit) -> None:
@@ -200,14 +213,32 @@ class UnitOrder:
             self._advance_to(unit)
         self.on_gather()
 
+    def _prefetch(self, upcoming: list[Unit]) -> None:
+        """Start gathering the units that run next: the next one, or (stage3_prefetch_bucket_size)
+        as many as fit in that many elements; never past stage3_max_live_parameters gathered."""
+        if not self.enabled or not upcoming:
+            return
+        if self.prefetch_numel is None:
+            upcoming = upcoming[:1]
+        live = sum(u.numel for u in dict.fromkeys(self.previous + self.current) if u.gathered)
+        ahead = 0  # elements of the upcoming units gathered or in flight, counted in order
+        for unit in dict.fromkeys(upcoming):
+            ahead += unit.numel
+            if self.prefetch_numel is not None and ahead > self.prefetch_numel:
+                return
+            if not unit.gathered:
+                live += unit.numel
+                if live > self.max_live_numel:
+                    return
+                unit.prefetch()
+
     def _advance_to(self, unit: Unit) -> None:
         """Backward reached `unit`'s latest unvisited occurrence: prefetch its predecessor, and mark
         the units that ran only after it as passed (free them if their gradients are reduced)."""
         for i in range(self._backward_at - 1, -1, -1):
             if self.current[i] is unit:
                 self._backward_at = i
-                if self.enabled and i > 0:
-                    self.current[i - 1].prefetch()
+                self._prefetch(self.current[i - 1::-1] if i > 0 else [])
                 still_needed = set(map(id, self.current[:i + 1]))
                 for later in self.current[i + 1:]:
                     if id(later) not in still_needed and not later.passed:
