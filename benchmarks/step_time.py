@@ -244,12 +244,12 @@ def report(args: argparse.Namespace, timing: dict, rss: dict) -> str:
               "sent/step: bytes per rank through torch.distributed's Python API in one warm step, paper "
               "convention (all-reduce 2x); '-': nothing seen there (DDP's C++ reducer)"]
     if timing["zeroshard"]:
-        lines += ["", "| zeroshard | Ψ | model states (MiB) | paper (MiB) | traffic/step (MiB) | paper (MiB) |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| zeroshard | stage | Ψ | model states (MiB) | paper (MiB) | traffic/step (MiB) | paper (MiB) |",
+                  "|---|---|---|---|---|---|---|"]
         for m, z in timing["zeroshard"].items():
             s, psi = int(m[-1]), z["psi"]
             paper = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[s]
-            lines.append(f"| stage {s} | {psi:,} | {z['model_states'] / mib:.2f} | {paper / mib:.2f} | "
+            lines.append(f"| {m} | {s} | {psi:,} | {z['model_states'] / mib:.2f} | {paper / mib:.2f} | "
                          f"{sum(z['traffic'].values()) / mib:.2f} | {(3 if s == 3 else 2) * 4 * psi / mib:.2f} |")
     plot(med, ref, os.path.join(OUT, "step_time.png"), lines[0])
     return "\n".join(lines)
