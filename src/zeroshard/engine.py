@@ -26,7 +26,8 @@ from .construct import deferred_non_parameters, materialize_
 from .grads import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
-from .unit import Buckets, FlatParam, StagePolicy
+from .policy import Buckets, StagePolicy
+from .unit import FlatParam
 from .wrap import Unit, UnitOrder, assign_params, find_units, install_hooks, persistent_buffers
 
 logger = logging.getLogger("zeroshard")

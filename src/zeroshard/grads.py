@@ -19,7 +19,8 @@ from typing import Callable
 
 from torch import nn
 
-from .unit import FlatParam, StagePolicy
+from .policy import StagePolicy
+from .unit import FlatParam
 from .wrap import Unit
 
 
