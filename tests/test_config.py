@@ -37,6 +37,8 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["reduce_bucket_size", "integer"]),
     ({"zero_optimization": {"stage3_max_reuse_distance": 1}}, ["stage3_max_reuse_distance", "does not implement"]),
     ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, ["stage3_prefetch_bucket_size", ">= 0"]),
+    ({"zero_optimization": {"stage": 3}, "zeroshard": {"defer_param_gather": True}}, ["defer_param_gather", "stages 1 and 2"]),
+    ({"zeroshard": {"defer_param_gather": 1}}, ["defer_param_gather", "true or false"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, ["offload_optimizer.device", "nvme is not implemented"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, ["offload_optimizer.ratio", "does not implement"]),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param", "does not implement"]),
@@ -100,3 +102,11 @@ def test_bad_sources(tmp_path):
         Config.load(str(tmp_path / "list.json"))
     with pytest.raises(ConfigError, match="dict, a path"):
         Config.load(42)
+
+
+def test_prefetch_bucket_accepts_null_and_defer_gather_its_stages():
+    cfg = Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": None,
+                                             "stage3_max_live_parameters": 5e6}})
+    assert cfg.zero.stage3_prefetch_bucket_size is None and cfg.zero.stage3_max_live_parameters == 5_000_000
+    cfg = Config.load({"zero_optimization": {"stage": 2}, "zeroshard": {"defer_param_gather": True}})
+    assert cfg.defer_param_gather and not cfg.overlap_comm  # independent of overlap_comm

@@ -90,6 +90,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     results = {}
     for name, extra in {"next unit": {}, "none": {"stage3_prefetch_bucket_size": 0},
                         "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
+                        "under a unit": {"stage3_prefetch_bucket_size": unit // 2},  # overshoots by one
                         "3 units, live cap": {"stage3_prefetch_bucket_size": 3 * unit,
                                               "stage3_max_live_parameters": "root + 2 units"}}.items():
         torch.manual_seed(0)
@@ -112,6 +113,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
         results[name] = (max(most), losses)
     assert results["none"][0] == 1 and results["next unit"][0] == 2
     assert results["3 units"][0] == 4 and results["3 units, live cap"][0] == 2
+    assert results["under a unit"][0] == 2
     assert len({tuple(losses) for _, losses in results.values()}) == 1  # bit-identical losses
 
 

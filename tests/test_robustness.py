@@ -203,22 +203,44 @@ def test_silent_mistakes_are_refused(one_process):
 
 
 def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
-    """Stages 1-2 with overlap_comm leave the post-step all-gather in flight until the next forward:
-    nothing that reads the parameters in between may see a half-written buffer."""
+    """Stages 1-2 with defer_param_gather leave the post-step all-gather in flight until the next
+    forward: nothing that reads the parameters through a module may see a half-written buffer."""
     for stage in (1, 2):
-        config = {"zero_optimization": {"stage": stage, "overlap_comm": True}}
+        config = {"zero_optimization": {"stage": stage, "overlap_comm": True},
+                  "zeroshard": {"defer_param_gather": True}}
         torch.manual_seed(0)
-        engine = zeroshard.initialize(TinyGPT(), _sgd, config)
+        model = TinyGPT()
+        seen = []  # a user's forward pre-hook, registered before initialize, sees current weights
+        model.register_forward_pre_hook(lambda *_: seen.append(model.tok.weight.norm().item()))
+        engine = zeroshard.initialize(model, _sgd, config)
         (x, y), = batches(1, 2 * world_size)
         mine = slice(2 * rank, 2 * rank + 2)
-        for _ in range(2):
+
+        def train_step() -> None:
             engine.backward(loss_fn(engine(x[mine]), y[mine]))
             engine.step()
+        train_step()
+        train_step()
+        assert min(seen) > 0
         assert engine.module.tok.weight.numel() == 0  # a placeholder until it lands: loud, not stale
-        plain = engine.module.state_dict()  # waits for the gathers (a state_dict pre-hook)
+        block = engine.module.blocks[0].state_dict()  # a submodule's state_dict waits for its unit
+        full = engine.full_state_dict()
+        assert all(torch.equal(v, full[f"blocks.0.{k}"]) for k, v in block.items()), stage
+        train_step()
+        plain = engine.module.state_dict()  # and the whole model's
         full = engine.full_state_dict()
         for name, value in full.items():
             assert torch.equal(plain[name], value), (stage, name)
+        train_step()
+        engine.module.load_state_dict(plain)  # waits first: loads into whole buffers
+        train_step()
+        h = torch.ones(2, 16)
+        direct = engine.module.ln_f(h)  # a root-owned submodule called directly waits for its unit
+        engine.wait_for_parameters()
+        assert torch.equal(direct, engine.module.ln_f(h))
+        train_step()
+        engine.wait_for_parameters()
+        assert engine.module.tok.weight.numel() > 0
         # A no_grad forward, then a checkpoint round trip, see the same weights.
         with torch.no_grad():
             before = engine(x[mine])

@@ -73,6 +73,7 @@ class Config:
     scaler: ScalerConfig | None = None         # fp16 loss scaling
     communication_data_type: str | None = None  # gradient reduction dtype; None: the compute dtype
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
+    defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -109,6 +110,9 @@ class Config:
             else:
                 raise ConfigError(f"unknown config key '{key}'; accepted top-level keys: "
                                   f"{', '.join(sorted(_TOP_LEVEL))}")
+        if cfg.defer_param_gather and cfg.stage not in (1, 2):
+            raise ConfigError(f"zeroshard.defer_param_gather applies to stages 1 and 2 (the post-step "
+                              f"all-gather), not to stage {cfg.stage}; remove it")
         if cfg.zero.offload_optimizer and cfg.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 "
                               "(it offloads the optimizer's shard); raise the stage or remove it")

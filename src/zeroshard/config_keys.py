@@ -65,8 +65,9 @@ def _zero(cfg: Config, value: Any) -> None:
                 raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
         elif key in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(z, key, _as_int(name, v, 1))
-        elif key in ("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
-                     "stage3_max_live_parameters"):
+        elif key == "stage3_prefetch_bucket_size":
+            z.stage3_prefetch_bucket_size = None if v is None else _as_int(name, v, 0)
+        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
             setattr(z, key, _as_int(name, v, 0))
         elif key == "contiguous_gradients":
             z.contiguous_gradients = _as_bool(name, v)
@@ -189,8 +190,11 @@ def _wall_clock(cfg: Config, value: Any) -> None:
 
 def _zeroshard(cfg: Config, value: Any) -> None:
     for key, v in _as_dict("zeroshard", value).items():
+        if key == "defer_param_gather":
+            cfg.defer_param_gather = _as_bool("zeroshard.defer_param_gather", v)
+            continue
         if key != "unit_modules":
-            raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: unit_modules")
+            raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: defer_param_gather, unit_modules")
         if v == "auto":
             cfg.unit_modules = None
         elif isinstance(v, list) and v and all(isinstance(s, str) for s in v):

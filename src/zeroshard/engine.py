@@ -11,7 +11,6 @@ One step, at every stage:
 from __future__ import annotations
 
 import logging
-import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -80,9 +79,7 @@ class Engine:
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, config.zero.stage3_prefetch_bucket_size,
                                     config.zero.stage3_max_live_parameters)
-        if install_hooks(self.units, self.unit_order, self.policy, config.overlap_comm, comm.rank):
-            engine = weakref.ref(self)  # stages 1-2 gathering behind the forward: see wrap.py
-            module.register_state_dict_pre_hook(lambda *_: engine() and engine()._wait_for_parameters())
+        install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
         self._buffers = persistent_buffers(module)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
@@ -91,8 +88,10 @@ class Engine:
         self._backward_finished = False
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
-    def _wait_for_parameters(self) -> None:
-        """Complete the post-step all-gathers still in flight (stages 1-2 with overlap_comm)."""
+    def wait_for_parameters(self) -> None:
+        """Stages 1-2 with zeroshard.defer_param_gather: complete the post-step all-gathers still
+        in flight. Until then (or the next forward) the module's parameters are empty placeholders;
+        call this before reading them directly (norms, an EMA). state_dict() waits by itself."""
         if not self.policy.shard_params:
             for flat in self.flats:
                 flat.gather()
@@ -190,7 +189,7 @@ class Engine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
         self._free_units()  # a unit gathered now (a forward without backward) would go stale
-        self._wait_for_parameters()  # the optimizer is about to write into what they gather into
+        self.wait_for_parameters()  # the optimizer is about to write into what they gather into
         if not self.policy.shard_grads:
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
@@ -228,7 +227,7 @@ class Engine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
                                "accumulated gradients; save after the step() that ends the cycle")
-        self._wait_for_parameters()
+        self.wait_for_parameters()
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
@@ -242,7 +241,7 @@ class Engine:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
         any world size and stage; returns the saved client_state. Nothing changes if it fails."""
         self._free_units()  # what is gathered now would shadow the loaded shards
-        self._wait_for_parameters()
+        self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
             for flat in self.flats:
@@ -263,7 +262,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank."""
         values: dict[str, torch.Tensor] = {}
-        self._wait_for_parameters()
+        self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
                 full = flat.gathered_copy()

@@ -121,10 +121,18 @@ class Unit:
         if self.free_when_reduced and self.passed and all(f.reduced for f in self.flats if f.trainable):
             self.free()
 
-    def install_gather_hook(self) -> None:
-        """Stages 1-2 with overlap_comm: wait for this unit's post-step all-gather before its forward."""
+    def install_gather_hooks(self, units: list["Unit"]) -> None:
+        """Stages 1-2 with defer_param_gather: every module owned by this unit (not by a unit inside
+        it) waits for the unit's post-step all-gather before its forward, ahead of any user hook, and
+        before its state_dict() or load_state_dict()."""
         unit = weakref.ref(self)
-        self.module.register_forward_pre_hook(lambda module, args: unit() and unit().gather())
+        wait = lambda *_: unit() and unit().gather()  # noqa: E731 (returns None: changes nothing)
+        inner = {m for u in units if u is not self and not u.is_root for m in u.module.modules()}
+        for m in self.module.modules():
+            if m not in inner:
+                m.register_forward_pre_hook(wait, prepend=True)
+                m.register_state_dict_pre_hook(wait)
+                m.register_load_state_dict_pre_hook(wait)
 
     def install_stage3_hooks(self, order: "UnitOrder") -> None:
         """Gather before forward and before backward; free after forward (the root stays). The
@@ -155,10 +163,12 @@ class Unit:
                 tensors, lambda grad: order.before_backward(self), mode="any")
 
 
-def install_hooks(units: list[Unit], order: "UnitOrder", policy: StagePolicy, overlap: bool, rank: int) -> bool:
-    """Stage 3: gather/free hooks on every unit. Stages 1-2 with overlap_comm: the post-step
-    all-gather is issued, not waited for, and each unit waits for its own right before its forward,
-    so the gather hides behind the forward's compute. Returns whether that was set up."""
+def install_hooks(units: list[Unit], order: "UnitOrder", policy: StagePolicy, defer_gather: bool,
+                  rank: int) -> bool:
+    """Stage 3: gather/free hooks on every unit. Stages 1-2 with zeroshard.defer_param_gather: the
+    post-step all-gather is issued, not waited for, and each module waits for its unit's right
+    before its forward, so the gather hides behind the forward's compute. Returns whether that was
+    set up."""
     if policy.shard_params:
         if len(units) == 1 and rank == 0:
             logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
@@ -167,10 +177,10 @@ def install_hooks(units: list[Unit], order: "UnitOrder", policy: StagePolicy, ov
         for unit in units:
             unit.install_stage3_hooks(order)
         return False
-    if not (policy.shard_optimizer and overlap):
+    if not defer_gather:
         return False
     for unit in units:
-        unit.install_gather_hook()
+        unit.install_gather_hooks(units)
         for flat in unit.flats:
             flat.gather_behind_forward = True
     return True
@@ -223,9 +233,9 @@ class UnitOrder:
         live = sum(u.numel for u in dict.fromkeys(self.previous + self.current) if u.gathered)
         ahead = 0  # elements of the upcoming units gathered or in flight, counted in order
         for unit in dict.fromkeys(upcoming):
+            if self.prefetch_numel is not None and ahead >= self.prefetch_numel:
+                return  # as DeepSpeed: fetch while below the limit (the last unit may overshoot)
             ahead += unit.numel
-            if self.prefetch_numel is not None and ahead > self.prefetch_numel:
-                return
             if not unit.gathered:
                 live += unit.numel
                 if live > self.max_live_numel:
