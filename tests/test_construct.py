@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 

@@ -1,5 +1,5 @@
 """Partitioned construction, the user's side: build under init(), and let initialize() (or
-materialize()) give the model its values. The mechanism is in deferred.py.
+materialize()) give the model its values. The mechanism is in deferred.py and recording.py.
 
     with zeroshard.init():
         model = GPT(config)                       # nothing allocated
@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .deferred import DeferredTensor
+from .deferred import OWN_ATTRIBUTES, DeferredTensor
 from .recording import Recording
 
 
@@ -32,9 +32,6 @@ def init(device: torch.device | str | None = None) -> Iterator[Recording]:
         recording = Recording(torch.get_default_device())
         with recording:
             yield recording
-
-
-_OWN_ATTRIBUTES = ("recording", "deferred_device", "_is_param")
 
 
 def is_deferred(t: object) -> bool:
@@ -56,7 +53,8 @@ def materialize_(tensors: Iterable[torch.Tensor], module: nn.Module | None = Non
             if isinstance(t, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=t.requires_grad)
             # Attributes set on the tensor (e.g. `p._no_weight_decay = True`) stay with it.
-            value.__dict__.update({k: v for k, v in t.__dict__.items() if k not in _OWN_ATTRIBUTES})
+            mine = OWN_ATTRIBUTES + ("_is_param",)  # `value` is already a Parameter where needed
+            value.__dict__.update({k: v for k, v in t.__dict__.items() if k not in mine})
             try:
                 if weakref.getweakrefs(t):
                     raise RuntimeError("weakly referenced")

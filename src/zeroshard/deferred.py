@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 aten = torch.ops.aten
 
@@ -27,6 +27,8 @@ class _State(threading.local):
 
 
 tls = _State()  # per thread
+
+OWN_ATTRIBUTES = ("recording", "deferred_device")  # a DeferredTensor's own; any other is the user's
 
 
 class DeferredValueError(RuntimeError):
@@ -101,7 +103,7 @@ class DeferredTensor(torch.Tensor):
             with torch.no_grad():
                 copy = self.clone()
             copy.requires_grad_(self.requires_grad)
-            copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("recording", "deferred_device")})
+            copy.__dict__.update({k: v for k, v in self.__dict__.items() if k not in OWN_ATTRIBUTES})
             memo[id(self)] = copy
         return memo[id(self)]
 

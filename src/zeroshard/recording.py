@@ -124,8 +124,8 @@ class Recording(TorchDispatchMode):
             if isinstance(o, torch.Tensor) and not isinstance(o, DeferredTensor):
                 o = DeferredTensor(o, device, self)
             if isinstance(o, DeferredTensor):
-                self._alive.append(o.untyped_storage())
                 if storage_key(o) not in reads:  # a new storage: made by this op
+                    self._alive.append(o.untyped_storage())
                     creates.append((ref_of(o), i))
                     writes.add(storage_key(o))
             wrapped.append(o)
