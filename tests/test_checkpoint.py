@@ -11,6 +11,7 @@ import torch
 
 import zeroshard
 from dist import spawn
+from margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_RTOL, close
 from models import TinyGPT, batches, loss_fn, reference_run
 
 GLOBAL_BATCH, FIRST, SECOND = 12, 3, 3
@@ -67,7 +68,7 @@ def _resume(rank: int, world_size: int, stage: int, directory: str) -> None:
     _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
     final, reference = engine.full_state_dict(), reference_state()
     for name, value in reference.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+        close(final[name], value, rtol=1e-5, atol=2e-6, what=f"resumed at stage {stage}, N={world_size}: {name}")
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, 3), (3, 1)), ((3, 2), (2, 3)), ((2, 1), (1, 0))])
@@ -77,7 +78,8 @@ def test_resume_at_another_world_size_and_stage(tmp_path, saved, resumed):
 
 
 def _bit_exact(rank: int, world_size: int, directory: str) -> None:
-    config = {"fp16": {"enabled": True, "initial_scale_power": 12}}
+    # A short loss_scale_window: the scale grows during the first run, so it must come back on load.
+    config = {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2}}
     straight = _engine(3, seed=0, **config)
     expected = _train(straight, rank, world_size, range(FIRST + SECOND))
     expected_state = straight.full_state_dict()
@@ -90,7 +92,8 @@ def _bit_exact(rank: int, world_size: int, directory: str) -> None:
     resumed.load_checkpoint(directory)
     losses += _train(resumed, rank, world_size, range(FIRST, FIRST + SECOND))
     assert losses == expected  # bit for bit
-    assert resumed.loss_scale == straight.loss_scale and resumed.skipped_steps == straight.skipped_steps
+    assert resumed.loss_scale == straight.loss_scale == 2.0 ** 15
+    assert resumed.skipped_steps == straight.skipped_steps
     state = resumed.full_state_dict()
     assert all(torch.equal(state[k], v) for k, v in expected_state.items())
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG stream continues exactly too
@@ -98,6 +101,51 @@ def _bit_exact(rank: int, world_size: int, directory: str) -> None:
 
 def test_resume_is_bit_exact_at_the_same_world_size_and_stage(tmp_path):
     spawn(_bit_exact, 2, str(tmp_path))
+
+
+def _sgd(p):  # scale-sensitive: the 16-bit cases are compared with fp32 training
+    return torch.optim.SGD(p, lr=0.05, momentum=0.9)
+
+
+RESUME_CASES = {  # name -> (config at save, config at resume, (N, stage) saved, (N, stage) resumed)
+    "bf16, offloaded when saved": ({"bf16": {"enabled": True}, "zero_optimization": {"offload_optimizer": {
+        "device": "cpu"}}}, {"bf16": {"enabled": True}}, (2, 3), (3, 1)),
+    "fp16": ({"fp16": {"enabled": True, "initial_scale_power": 8}},) * 2 + ((3, 2), (2, 3)),
+    "fp32, offloaded": ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},) * 2 + ((2, 1), (3, 3)),
+}
+
+
+def _sgd_engine(config: dict, stage: int, seed: int):
+    torch.manual_seed(seed)
+    zero = {**config.get("zero_optimization", {}), "stage": stage}
+    return zeroshard.initialize(TinyGPT(), _sgd, {**config, "zero_optimization": zero}, lr_scheduler=_scheduler)
+
+
+def _save_case(rank: int, world_size: int, stage: int, directory: str, name: str) -> None:
+    engine = _sgd_engine(RESUME_CASES[name][0], stage, seed=0)
+    _train(engine, rank, world_size, range(FIRST))
+    engine.save_checkpoint(directory)
+
+
+def _resume_case(rank: int, world_size: int, stage: int, directory: str, name: str) -> None:
+    config = RESUME_CASES[name][1]
+    engine = _sgd_engine(config, stage, seed=1234)  # another seed: nothing may lean on the initialisation
+    engine.load_checkpoint(directory)
+    _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
+    final = engine.full_state_dict()
+    reference = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, FIRST + SECOND, GLOBAL_BATCH,
+                              scheduler=_scheduler)[0].state_dict()
+    exact = not ({"bf16", "fp16"} & set(config))
+    rtol, atol = (1e-5, 2e-6) if exact else (SIXTEEN_BIT_RTOL, SIXTEEN_BIT_ATOL)
+    for key, value in reference.items():
+        close(final[key], value, rtol=rtol, atol=atol, what=f"{name}, resumed at stage {stage}, N={world_size}: {key}")
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_16bit_and_offload_checkpoints_resume_at_another_world_size(tmp_path, name):
+    _, _, saved, resumed = RESUME_CASES[name]
+    spawn(_save_case, saved[0], saved[1], str(tmp_path), name)
+    spawn(_resume_case, resumed[0], resumed[1], str(tmp_path), name)
 
 
 def _crash_during_commit(rank: int, world_size: int, directory: str) -> None:

@@ -6,48 +6,53 @@ import pytest
 import torch
 
 import zeroshard
-from accounting import fp32_adam_formula, live_tensor_bytes
+from accounting import adam_formula, live_tensor_bytes
 from dist import spawn
+from margins import close
 from models import TinyGPT, loss_fn, rank_batch
 
 
 def _measure(rank: int, world_size: int) -> None:
     x, y = rank_batch(rank, world_size)
-    census = {stage: _measure_stage(stage, world_size, x, y) for stage in range(4)}
-    # The census shrinks with the stage: DDP 16Ψ > 8Ψ+8Ψ/N > 4Ψ+12Ψ/N > 16Ψ/N (for N >= 2).
-    assert census[0] > census[1] > census[2] > census[3], census
+    for precision in ("fp32", "bf16"):
+        census = {stage: _measure_stage(stage, world_size, x, y, precision) for stage in range(4)}
+        # The census shrinks with the stage: 16Ψ > 4Ψ+12Ψ/N (fp32: 8Ψ+8Ψ/N) > ... > 16Ψ/N (N >= 2).
+        assert census[0] > census[1] > census[2] > census[3], (precision, census)
 
 
-def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor) -> int:
+def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
     """Train two backwards at `stage`, check every figure, return the census (all locals then die)."""
     torch.manual_seed(0)
-    engine = zeroshard.initialize(TinyGPT(d=64, layers=4), lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                  {"zero_optimization": {"stage": stage}})
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+    engine = zeroshard.initialize(TinyGPT(d=64, layers=4), lambda p: torch.optim.AdamW(p, lr=1e-3), config)
     for _ in range(2):  # the second backward sees Adam's state, created by the first step
-        engine.backward(loss_fn(engine(x), y))
+        engine.backward(loss_fn(engine(x).float(), y))
         if _ == 0:
             engine.step()
     stats = engine.memory_stats()
     flats = engine.flats
+    pb = 4 if precision == "fp32" else 2  # bytes of a parameter or gradient element
     psi_all, psi_train = engine.num_parameters(), engine.num_parameters(trainable_only=True)
-    formula = fp32_adam_formula(psi_all, psi_train, world_size, stage)
+    formula = adam_formula(psi_all, psi_train, world_size, stage, pb)
+    what = f"{precision} stage {stage}"
     # Padding: fewer than N elements per flat buffer, 16 bytes each at most; Adam's step counters.
     slack = 16 * (world_size - 1) * len(flats) + 8 * len(flats)
     assert stats["temporary"] == 0, stats  # everything gathered or full-size is freed after backward
-    assert abs(stats["model_states"] - formula) <= slack, (stage, stats["model_states"], formula)
+    close(stats["model_states"], formula, atol=slack, what=f"{what} model states against the paper")
     # Exact expectations from the layout (what the formula's "up to padding" means).
     shard = lambda f: f.layout.shard_numel if stage else f.layout.padded_numel  # noqa: E731
-    assert stats["params"] == 4 * sum(f.layout.shard_numel if stage == 3 else f.layout.padded_numel
-                                      for f in flats)
-    assert stats["grads"] == 4 * sum(f.layout.shard_numel if stage >= 2 else f.layout.padded_numel
-                                     for f in flats if f.trainable)
-    assert 8 * sum(shard(f) for f in flats if f.trainable) <= stats["optimizer"] <= \
-        8 * sum(shard(f) for f in flats if f.trainable) + 8 * len(flats)
-    # Independently: every live storage in this process, against the formula itself.
+    assert stats["params"] == pb * sum(f.layout.shard_numel if stage == 3 else f.layout.padded_numel
+                                       for f in flats)
+    assert stats["grads"] == pb * sum(f.layout.shard_numel if stage >= 2 else f.layout.padded_numel
+                                      for f in flats if f.trainable)
+    k = 8 if pb == 4 else 12  # Adam's two moments, and the fp32 master where it is a copy
+    owned = sum(shard(f) for f in flats if f.trainable)
+    assert k * owned <= stats["optimizer"] <= k * owned + 8 * len(flats), (what, stats["optimizer"], owned)
+    # Independently: every live storage in this process, against the library and the formula.
     measured = live_tensor_bytes()
     library = stats["model_states"] + stats["buffers"] + stats["temporary"]
-    assert library <= measured <= library + 16 * 1024, (stage, measured, library)
-    assert abs(measured - formula) <= slack + stats["buffers"] + 16 * 1024
+    close(measured, library + 8 * 1024, atol=8 * 1024, what=f"{what} census against memory_stats()")
+    close(measured, formula, atol=slack + stats["buffers"] + 16 * 1024, what=f"{what} census against the paper")
     return measured
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import zeroshard
 from dist import spawn
+from margins import close
 from models import VOCAB, TinyGPT, batches, loss_fn, reference_run
 
 
@@ -67,8 +68,7 @@ def _unused_on_some_ranks(rank: int, world_size: int) -> None:
             engine.step()
         state = engine.full_state_dict()
         for name, value in ref.state_dict().items():
-            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"stage {stage} {name}: {m}")
+            close(state[name], value, rtol=1e-5, atol=1e-6, what=f"stage {stage} {name}")
 
 
 def test_a_parameter_unused_on_some_ranks_only():
@@ -91,7 +91,7 @@ def _extra_forwards(rank: int, world_size: int) -> None:
         engine.step()
     state = engine.full_state_dict()
     for name, value in ref_model.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+        close(state[name], value, rtol=1e-5, atol=1e-6, what=f"extra forwards: {name}")
 
 
 def test_extra_forwards_at_stage_3():
@@ -121,7 +121,7 @@ def _detached(rank: int, world_size: int) -> None:
         engine.step()
         results.append(engine.full_state_dict())
     for name in results[0]:
-        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-7)
+        close(results[1][name], results[0][name], rtol=1e-5, atol=1e-7, what=f"stage 3 vs 0: {name}")
 
 
 def test_a_weight_used_detached_at_stage_3():
@@ -252,3 +252,34 @@ def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
 
 def test_stages_1_2_gather_behind_the_next_forward(tmp_path):
     spawn(_gather_behind_forward, 3, str(tmp_path))
+
+
+def _activation_checkpointing(rank: int, world_size: int) -> None:
+    """Blocks recomputed in backward (torch.utils.checkpoint, both flavours): at stage 3 the
+    recomputation runs inside backward on the gathered unit, which must not be freed by it."""
+    ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
+    for flavour in ("non-reentrant", "reentrant"):
+        for stage in (0, 3):
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(checkpointing=flavour), _sgd, {"zero_optimization": {"stage": stage}})
+            losses = []
+            for step, (x, y) in enumerate(batches(3, 4)):
+                mine = slice(2 * rank, 2 * rank + 2)
+                loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
+                engine.backward(loss)
+                engine.step()
+                torch.distributed.all_reduce(loss := loss.detach())
+                losses.append(loss.item() / world_size)
+            what = f"activation checkpointing ({flavour}) at stage {stage}"
+            if stage == 3:  # recomputation reuses the unit gathered for backward: no extra gather
+                everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
+                root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
+                assert engine.comm_stats()["last_step"]["all_gather"]["bytes"] == 2 * everything - root, what
+            close(losses, ref_losses, rtol=1e-5, atol=1e-6, what=f"{what}: losses")
+            state = engine.full_state_dict()
+            for name, value in ref_model.state_dict().items():
+                close(state[name], value, rtol=1e-5, atol=1e-6, what=f"{what}: {name}")
+
+
+def test_activation_checkpointing_at_stage_3():
+    spawn(_activation_checkpointing, 2)

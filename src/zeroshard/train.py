@@ -122,7 +122,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     per_rank = _gather(stats)  # collective: every rank takes part
     peak_rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0 and not args.quiet:
-        _report(engine, args, per_rank, history, val, text)
+        _report(engine, args, per_rank, history, val, text, sum(times))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
             "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": engine.num_parameters()}
@@ -169,7 +169,7 @@ def _sample(engine, args: TrainArgs) -> str:
 
 
 def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
-            text: str) -> None:
+            text: str, seconds: float) -> None:
     psi, world = engine.num_parameters(), dist.get_world_size()
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters; ZeRO stage {args.stage}, "
           f"{world} ranks, {args.precision} AdamW ({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
@@ -177,7 +177,9 @@ def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: li
         print(line)
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     print(traffic_line(step_bytes, psi, args.stage, args.precision))
-    print(f"loss: train {history[-1]:.4f}, validation {val:.4f}")
+    first = f"{history[0]:.4f} at step 1 -> " if history else ""
+    print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
+          f"{seconds:.1f} s in training steps this run")
     plot = os.path.join(args.out, "loss.png")
     plot_losses(history, val, plot)
     print(f"loss curve: {plot}; checkpoint: {os.path.join(args.out, 'checkpoints')} (resume with --resume)")

@@ -1,0 +1,256 @@
+"""Mutation check: plant known bugs one at a time and see whether the test suite catches each.
+
+    python benchmarks/mutations.py                 # every planted bug (about 25 min on 2 cores)
+    python benchmarks/mutations.py --only fp16-unscale persistent-regather
+    python benchmarks/mutations.py --list
+
+Each mutation replaces one exact piece of the core's code (it must occur exactly once: a bug whose
+target code has moved stops the run loudly instead of passing), in a temporary copy of src/, tests/
+and benchmarks/, and runs the tests that should catch it there. Tolerance checks report their error
+as a multiple of the tolerance (tests/margins.py); a planted bug counts as caught when a test fails
+on an exact check or an error, or on a tolerance check with an error at least CATCH_MARGIN times the
+tolerance. A narrower failure is reported as NARROW and counts as a survivor, like a pass.
+A benchmark, not part of CI: run it before resolving a change to the core or to the tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CATCH_MARGIN = 5.0
+MARKER = "x the tolerance"  # in every failure message of tests/margins.close
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str          # relative to the repository root
+    find: str          # exact text, exactly once in the file
+    replace: str
+    tests: tuple[str, ...]
+    why: str = ""      # the bug in words
+
+
+P, T, C, R = "tests/test_parity.py", "tests/test_training.py", "tests/test_checkpoint.py", "tests/test_precision.py"
+MEM, ROB = "tests/test_memory.py", "tests/test_robustness.py"
+PARITY2 = f"{P}::test_every_stage_matches_single_process[2]"
+BUCKETS = f"{P}::test_sgd_auto_units_buckets_and_persistence"
+TRAINING = f"{T}::test_training_semantics_match_single_process[3]"
+RESUME = f"{C}::test_resume_at_another_world_size_and_stage"
+BIT_EXACT = f"{C}::test_resume_is_bit_exact_at_the_same_world_size_and_stage"
+RESUME_16 = f"{C}::test_16bit_and_offload_checkpoints_resume_at_another_world_size"
+BF16 = f"{R}::test_bf16_every_stage"
+SGD_16 = f"{R}::test_16bit_training_with_sgd_against_fp32"
+SCALER = f"{R}::test_loss_scale_schedule"
+
+MUTATIONS = [
+    Mutation("rs-bucket-no-mean", "src/zeroshard/comm.py",
+             "rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)",
+             "rows[:, a:b].to(dtype, copy=True).contiguous().view(-1)", (BUCKETS,),
+             "bucketed reduce-scatter sums instead of averaging over ranks"),
+    Mutation("rs-single-no-mean", "src/zeroshard/comm.py", "            full.div_(n)\n", "", (PARITY2,),
+             "one-bucket reduce-scatter sums instead of averaging"),
+    Mutation("all-reduce-no-mean", "src/zeroshard/comm.py", "            bucket.div_(self.world_size)\n", "",
+             (PARITY2,), "stage-0 all-reduce sums instead of averaging"),
+    Mutation("chunk-drops-last-element", "src/zeroshard/partition.py", "min(s + step, self.shard_numel)",
+             "min(s + step, self.shard_numel - 1)", (BUCKETS,), "bucket chunks skip a shard's last element"),
+    Mutation("stage2-keeps-full-grad", "src/zeroshard/unit.py",
+             "            self.grad_full = None  # in-flight", "            pass  # in-flight", (f"{MEM}",),
+             "stage 2 keeps its full-size gradient buffer after reducing it"),
+    Mutation("master-not-counted", "src/zeroshard/unit.py",
+             '"master": _nbytes(self.master) if separate else 0,', '"master": 0,', (f"{MEM}", TRAINING),
+             "memory_stats() leaves out the fp32 master copy"),
+    Mutation("moments-not-loaded", "src/zeroshard/checkpoint.py",
+             'optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])',
+             "pass", (RESUME,), "load_checkpoint leaves the optimizer moments at zero"),
+    Mutation("compute-copy-not-refreshed", "src/zeroshard/unit.py", "                updated.copy_(self.master)\n",
+             "                pass\n", (BF16,), "the bf16 parameters are not refreshed from the fp32 master"),
+    Mutation("no-real-master", "src/zeroshard/unit.py", "                updated.copy_(self.master)\n",
+             "                updated.copy_(self.master)\n                self.master.copy_(updated)\n", (BF16,),
+             "the fp32 master is re-copied from the rounded bf16 parameters after every step"),
+    Mutation("clip-norm-local", "src/zeroshard/optim.py", "            comm.all_reduce(squares)\n",
+             "            pass\n", (TRAINING,), "the clipping norm is this rank's shard's norm, not the global one"),
+    Mutation("clip-not-applied", "src/zeroshard/optim.py",
+             "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "", (TRAINING,),
+             "the clipping coefficient is computed but not applied"),
+    Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
+             "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
+    Mutation("persistent-regather", "src/zeroshard/unit.py",
+             "            if not (self.policy.shard_optimizer and self.persistent):",
+             "            if not (self.policy.shard_optimizer and self.persistent and not self.policy.shard_params):",
+             (f"{P}::test_stage3_persistent_and_gathered_units",),
+             "stage-3 persistent trainable buffers are not re-gathered after the step"),
+    Mutation("accumulation-not-averaged", "src/zeroshard/engine.py",
+             "factor = self.scaler.scale / self.config.gradient_accumulation_steps",
+             "factor = self.scaler.scale", (TRAINING,),
+             "the loss is not divided by gradient_accumulation_steps"),
+    Mutation("accumulation-overwrites", "src/zeroshard/unit.py",
+             "accumulate = self.policy.shard_grads and self.has_grad", "accumulate = False", (TRAINING,),
+             "stages 2-3 overwrite the gradient shard with each micro-batch instead of adding"),
+    Mutation("accumulate-in-16-bit", "src/zeroshard/precision.py",
+             "accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute",
+             "accumulate = compute", (f"{R}::test_bf16_gradient_accumulation",),
+             "stages 2-3 accumulate micro-batches in bf16 rather than fp32"),
+    Mutation("communication-dtype-ignored", "src/zeroshard/precision.py",
+             "reduce_dtype=config.dtype(config.communication_data_type)", "reduce_dtype=compute", (SGD_16,),
+             "communication_data_type is accepted but gradients are reduced in the compute dtype"),
+    Mutation("scale-never-grows", "src/zeroshard/precision.py", "                self.scale *= 2.0\n",
+             "                pass\n", (SCALER,), "the loss scale never grows after loss_scale_window clean steps"),
+    Mutation("hysteresis-ignored", "src/zeroshard/precision.py", "        if self._tolerance > 1:",
+             "        if False:", (SCALER,), "every overflow halves the scale, whatever the hysteresis"),
+    Mutation("scheduler-steps-on-skip", "src/zeroshard/engine.py",
+             "self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:",
+             "self.lr_scheduler is not None:", (SCALER,), "the lr scheduler steps on skipped fp16 steps"),
+    Mutation("scaler-not-loaded", "src/zeroshard/engine.py", '        self.scaler.load_state_dict(extra["scaler"])\n',
+             "", (BIT_EXACT,), "load_checkpoint does not restore the loss scale"),
+    Mutation("scheduler-not-loaded", "src/zeroshard/engine.py",
+             '            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])\n', "            pass\n",
+             (RESUME,), "load_checkpoint does not restore the lr scheduler"),
+    Mutation("rng-not-loaded", "src/zeroshard/checkpoint.py",
+             '        torch.set_rng_state(request[f"rng/{comm.rank}"])\n', "        pass\n", (BIT_EXACT,),
+             "load_checkpoint does not restore the random generator"),
+    Mutation("loaded-master-not-written-back", "src/zeroshard/engine.py",
+             "                if flat.trainable:\n                    flat.write_back()\n",
+             "                if flat.trainable:\n                    pass\n", (RESUME_16,),
+             "after a load, 16-bit parameters keep their old values until the next step"),
+    Mutation("buffers-not-broadcast", "src/zeroshard/engine.py", "                comm.broadcast(b, 0)\n",
+             "                pass\n", (PARITY2,), "initialize() keeps each rank's own buffers instead of rank 0's"),
+    Mutation("recompute-frees-unit", "src/zeroshard/wrap.py",
+             "        if torch._C._current_graph_task_id() != -1:", "        if False:",
+             (f"{ROB}::test_activation_checkpointing_at_stage_3",),
+             "a recomputation inside backward (activation checkpointing) frees its unit like a forward"),
+]
+
+
+def _copy_tree(dest: str) -> None:
+    for name in ("src", "tests", "benchmarks"):
+        shutil.copytree(os.path.join(ROOT, name), os.path.join(dest, name),
+                        ignore=shutil.ignore_patterns("__pycache__", "out", "*.egg-info"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), dest)
+
+
+def _target_text(m: Mutation, tree: str) -> str:
+    """The file's text; stops the run if the target is not there exactly once (the code moved)."""
+    with open(os.path.join(tree, m.path)) as f:
+        text = f.read()
+    found = text.count(m.find)
+    if found != 1:
+        raise SystemExit(f"mutation '{m.name}': its target occurs {found} times in {m.path} (must be "
+                         f"exactly once); the code moved: update the mutation's `find`\n  {m.find!r}")
+    return text
+
+
+def plant(m: Mutation, tree: str) -> None:
+    text = _target_text(m, tree)
+    with open(os.path.join(tree, m.path), "w") as f:
+        f.write(text.replace(m.find, m.replace))
+
+
+def run_tests(dest: str, tests: tuple[str, ...], timeout: float) -> dict:
+    """Run `tests` in the copy; return per-test failures, margins and the outcome."""
+    log, junit = os.path.join(dest, "margins.jsonl"), os.path.join(dest, "junit.xml")
+    env = {**os.environ, "PYTHONPATH": os.path.join(dest, "src"), "ZEROSHARD_MARGIN_LOG": log}
+    start = time.time()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               f"--junitxml={junit}", *tests], cwd=dest, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "hung", "seconds": time.time() - start, "ratios": {}, "closest": {}, "failures": {}}
+    ratios: dict[str, float] = {}    # test -> its largest error ratio
+    closest: dict[str, str] = {}     # test -> the check that came closest to its tolerance
+    if os.path.exists(log):
+        for line in open(log):
+            entry = json.loads(line)
+            test, ratio = (entry.get("test") or "?").split(" ")[0], float(entry["ratio"])
+            if ratio >= ratios.get(test, -1.0):
+                ratios[test], closest[test] = ratio, entry["what"]
+    failures = {}
+    if os.path.exists(junit):
+        for case in ET.parse(junit).iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if bad is not None:
+                test = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
+                failures[test] = (bad.get("message") or "") + "\n" + (bad.text or "")
+    outcome = "passed" if done.returncode == 0 else "failed"
+    if done.returncode not in (0, 1):
+        failures.setdefault("pytest", done.stdout[-2000:] + done.stderr[-2000:])
+        outcome = "failed"
+    return {"outcome": outcome, "seconds": time.time() - start, "ratios": ratios, "closest": closest,
+            "failures": failures}
+
+
+def verdict(result: dict) -> tuple[str, str]:
+    """(CAUGHT | NARROW | SURVIVED, how)."""
+    largest = max(result["ratios"].values(), default=0.0)
+    if result["outcome"] == "hung":
+        return "CAUGHT", "the tests hung until the time limit (a hang is loud, but look at it)"
+    if result["outcome"] == "passed":
+        return "SURVIVED", f"every test passed; closest tolerance check at {largest:.3g}x"
+    loud = [t for t, text in result["failures"].items() if MARKER not in text]
+    if loud:
+        lines = [line.strip() for line in result["failures"][loud[0]].splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line.split(":")[0] or line.startswith("E ")]
+        return "CAUGHT", f"exact check or error in {loud[0]}: {(errors or lines or ['?'])[-1][:200]}"
+    if largest >= CATCH_MARGIN:
+        return "CAUGHT", f"tolerance check failed at {largest:.3g}x the tolerance"
+    return "NARROW", f"tolerance check failed at only {largest:.3g}x the tolerance (< {CATCH_MARGIN:g}x)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="names of the mutations to run")
+    parser.add_argument("--list", action="store_true", help="list the mutations and stop")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    parser.add_argument("--baseline-only", action="store_true",
+                        help="only the unmutated run: how close each test's checks come to their tolerances")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only or []) - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutations {sorted(unknown)}; --list shows them")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32s} {m.path:30s} {m.why}")
+        return
+    for m in chosen:  # every target checked before anything runs
+        _target_text(m, ROOT)
+    if not args.no_baseline or args.baseline_only:
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        with tempfile.TemporaryDirectory() as clean:
+            _copy_tree(clean)
+            base = run_tests(clean, tests, args.timeout * 2)
+        if base["outcome"] != "passed":
+            raise SystemExit(f"the unmutated suite fails these tests; fix that first: {sorted(base['failures'])}")
+        print(f"baseline: {len(tests)} tests pass unmutated ({base['seconds']:.0f} s). Largest error of "
+              f"each test's tolerance checks, as a multiple of its tolerance:", flush=True)
+        for test, ratio in sorted(base["ratios"].items()):
+            print(f"  {ratio:7.3f}x  {test}  ({base['closest'][test]})")
+        if args.baseline_only:
+            return
+    survivors = 0
+    for m in chosen:
+        with tempfile.TemporaryDirectory() as dest:
+            _copy_tree(dest)
+            plant(m, dest)
+            result = run_tests(dest, m.tests, args.timeout)
+        status, how = verdict(result)
+        survivors += status != "CAUGHT"
+        print(f"{status:8s} {m.name:32s} {result['seconds']:5.0f} s  {how}", flush=True)
+    print(f"{len(chosen) - survivors} of {len(chosen)} planted bugs caught, {survivors} survived "
+          f"(a catch: an exact check, an error, or a tolerance check failing by >= {CATCH_MARGIN:g}x)")
+    sys.exit(1 if survivors else 0)
+
+
+if __name__ == "__main__":
+    main()
