@@ -57,10 +57,10 @@ MUTATIONS = [
              "rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)",
              "rows[:, a:b].to(dtype, copy=True).contiguous().view(-1)", (BUCKETS,),
              "bucketed reduce-scatter sums instead of averaging over ranks"),
-    Mutation("rs-single-no-mean", "src/zeroshard/comm.py", "            full.div_(n)\n", "", (PARITY2,),
+    Mutation("rs-single-no-mean", "src/zeroshard/comm.py", "            full.div_(n)\n", "", (BUCKETS,),
              "one-bucket reduce-scatter sums instead of averaging"),
     Mutation("all-reduce-no-mean", "src/zeroshard/comm.py", "            bucket.div_(self.world_size)\n", "",
-             (PARITY2,), "stage-0 all-reduce sums instead of averaging"),
+             (BUCKETS,), "stage-0 all-reduce sums instead of averaging"),
     Mutation("chunk-drops-last-element", "src/zeroshard/partition.py", "min(s + step, self.shard_numel)",
              "min(s + step, self.shard_numel - 1)", (BUCKETS,), "bucket chunks skip a shard's last element"),
     Mutation("stage2-keeps-full-grad", "src/zeroshard/unit.py",
@@ -80,7 +80,7 @@ MUTATIONS = [
     Mutation("clip-norm-local", "src/zeroshard/optim.py", "            comm.all_reduce(squares)\n",
              "            pass\n", (TRAINING,), "the clipping norm is this rank's shard's norm, not the global one"),
     Mutation("clip-not-applied", "src/zeroshard/optim.py",
-             "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "", (TRAINING,),
+             "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
              "the clipping coefficient is computed but not applied"),
     Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
@@ -149,10 +149,21 @@ def _target_text(m: Mutation, tree: str) -> str:
     return text
 
 
+def planted_text(m: Mutation, tree: str) -> str:
+    """The file with the bug in it. A mutation that does not compile is refused, loudly: any test
+    importing the module would "catch" it, which says nothing of the tests."""
+    planted = _target_text(m, tree).replace(m.find, m.replace)
+    try:
+        compile(planted, m.path, "exec")
+    except SyntaxError as e:
+        raise SystemExit(f"mutation '{m.name}' does not compile ({e}); fix its `replace`") from None
+    return planted
+
+
 def plant(m: Mutation, tree: str) -> None:
-    text = _target_text(m, tree)
+    text = planted_text(m, tree)
     with open(os.path.join(tree, m.path), "w") as f:
-        f.write(text.replace(m.find, m.replace))
+        f.write(text)
 
 
 def run_tests(dest: str, tests: tuple[str, ...], timeout: float) -> dict:
@@ -171,7 +182,7 @@ def run_tests(dest: str, tests: tuple[str, ...], timeout: float) -> dict:
     if os.path.exists(log):
         for line in open(log):
             entry = json.loads(line)
-            test, ratio = (entry.get("test") or "?").split(" ")[0], float(entry["ratio"])
+            test, ratio = (entry.get("test") or "?").rsplit(" ", 1)[0], float(entry["ratio"])  # " (call)"
             if ratio >= ratios.get(test, -1.0):
                 ratios[test], closest[test] = ratio, entry["what"]
     failures = {}
@@ -223,8 +234,8 @@ def main() -> None:
         for m in chosen:
             print(f"{m.name:32s} {m.path:30s} {m.why}")
         return
-    for m in chosen:  # every target checked before anything runs
-        _target_text(m, ROOT)
+    for m in chosen:  # every target found and every bug compiled before anything runs
+        planted_text(m, ROOT)
     if not args.no_baseline or args.baseline_only:
         tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
         with tempfile.TemporaryDirectory() as clean:
