@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zeroshard
-from zeroshard.gpt import GPT, GPTConfig, lm_loss
+from zeroshard.app.gpt import GPT, GPTConfig, lm_loss
 
 GiB, MiB = 2**30, 2**20
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -54,7 +54,8 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def rank_main(rank: int, port: int, layers: int, stage: int, args: argparse.Namespace, results: mp.Queue) -> None:
+def rank_main(rank: int, port: int, layers: int, stage: int, args: argparse.Namespace,
+              results: mp.Queue) -> None:
     limit = int(args.budget_gib * GiB) + 2 * GiB
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if args.mmap_threshold_kib:  # glibc: serve blocks >= this from mmap, returned to the OS when freed
@@ -73,7 +74,8 @@ def rank_main(rank: int, port: int, layers: int, stage: int, args: argparse.Name
                                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=False))
         peak_init, states = peak_rss_mib(), 0
         for step in range(args.steps):
-            tokens = torch.randint(256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step))
+            tokens = torch.randint(256, (args.batch, args.seq + 1),
+                                   generator=torch.Generator().manual_seed(step))
             engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
             states = max(states, engine.memory_stats()["model_states"])
             engine.step()
@@ -205,14 +207,16 @@ def paper_ratio(stage: int, n: int) -> float:
 
 def report(args: argparse.Namespace, best: dict[int, Trial | None]) -> str:
     base = best.get(0)
-    lines = [f"Largest GPT (width {args.width}, seq {args.seq}, batch {args.batch}/rank, {args.steps} fp32 AdamW "
-             f"steps) within {args.budget_gib:g} GiB peak RSS per rank, {args.nproc} ranks x 1 thread, gloo, "
-             f"glibc mmap threshold {args.mmap_threshold_kib or 'default'}, {args.construction} construction", "",
+    lines = [f"Largest GPT (width {args.width}, seq {args.seq}, batch {args.batch}/rank, {args.steps} "
+             f"fp32 AdamW steps) within {args.budget_gib:g} GiB peak RSS per rank, {args.nproc} ranks x 1 "
+             f"thread, gloo, glibc mmap threshold {args.mmap_threshold_kib or 'default'}, "
+             f"{args.construction} construction", "",
              "| stage | layers | Ψ | x stage 0 | paper, model states only | peak RSS/rank (MiB) | "
              "peak after init (MiB) | model states/rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
     for stage, t in best.items():
         if t is None:
-            lines.append(f"| {stage} | none fits | - | - | {paper_ratio(stage, args.nproc):.2f} | - | - | - |")
+            lines.append(f"| {stage} | none fits | - | - | {paper_ratio(stage, args.nproc):.2f} "
+                         "| - | - | - |")
             continue
         ratio = f"{t.psi / base.psi:.2f}" if base else "-"
         lines.append(f"| {stage} | {t.layers} | {t.psi:,} | {ratio} | {paper_ratio(stage, args.nproc):.2f} | "
@@ -228,19 +232,23 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--stages", default="0,1,2,3")
-    p.add_argument("--budget-gib", type=float, default=5.0, help="peak RSS per rank (default 5: 4 ranks in 20 GiB)")
+    p.add_argument("--budget-gib", type=float, default=5.0,
+                   help="peak RSS per rank (default 5: 4 ranks in 20 GiB)")
     p.add_argument("--width", type=int, default=1024, help="fixed width; the search is over depth")
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1, help="per rank (small: model states dominate, as in the paper)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="per rank (small: model states dominate, as in the paper)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--tol", type=float, default=0.05, help="stop bisecting when hi - lo <= tol * lo layers")
     p.add_argument("--max-layers", type=int, default=1024)
     p.add_argument("--timeout", type=float, default=1200, help="seconds per trial")
     p.add_argument("--mmap-threshold-kib", type=int, default=0,
-                   help="pin glibc's mmap threshold (e.g. 64), so freed tensors leave RSS; default: glibc's own")
+                   help="pin glibc's mmap threshold (e.g. 64), so freed tensors leave RSS; "
+                        "default: glibc's own")
     p.add_argument("--construction", choices=["partitioned", "ordinary"], default="partitioned",
                    help="build the model under zeroshard.init() (default) or in full on every rank")
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 ranks x 0.6 GiB, width 256, coarse search")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 2 ranks x 0.6 GiB, width 256, coarse search")
     args = p.parse_args()
     if args.quick:
         args.nproc, args.budget_gib, args.width, args.seq, args.tol = 2, 0.6, 256, 32, 0.25

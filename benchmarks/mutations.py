@@ -40,8 +40,9 @@ class Mutation:
     why: str = ""      # the bug in words
 
 
-P, T, C, R = "tests/test_parity.py", "tests/test_training.py", "tests/test_checkpoint.py", "tests/test_precision.py"
-MEM, ROB = "tests/test_memory.py", "tests/test_robustness.py"
+P, T, R = "tests/parity/test_parity.py", "tests/parity/test_training.py", "tests/precision/test_precision.py"
+C, MEM, ROB = ("tests/checkpoint/test_checkpoint.py", "tests/accounting/test_memory.py",
+               "tests/parity/test_robustness.py")
 PARITY2 = f"{P}::test_every_stage_matches_single_process[2]"
 BUCKETS = f"{P}::test_sgd_auto_units_buckets_and_persistence"
 TRAINING = f"{T}::test_training_semantics_match_single_process[3]"
@@ -63,38 +64,43 @@ MUTATIONS = [
              (BUCKETS,), "stage-0 all-reduce sums instead of averaging"),
     Mutation("chunk-drops-last-element", "src/zeroshard/partition.py", "min(s + step, self.shard_numel)",
              "min(s + step, self.shard_numel - 1)", (BUCKETS,), "bucket chunks skip a shard's last element"),
-    Mutation("stage2-keeps-full-grad", "src/zeroshard/unit.py",
+    Mutation("stage2-keeps-full-grad", "src/zeroshard/flat_param.py",
              "            self.grad_full = None  # in-flight", "            pass  # in-flight", (f"{MEM}",),
              "stage 2 keeps its full-size gradient buffer after reducing it"),
-    Mutation("master-not-counted", "src/zeroshard/unit.py",
+    Mutation("master-not-counted", "src/zeroshard/flat_param.py",
              '"master": _nbytes(self.master) if separate else 0,', '"master": 0,', (f"{MEM}", TRAINING),
              "memory_stats() leaves out the fp32 master copy"),
     Mutation("moments-not-loaded", "src/zeroshard/checkpoint.py",
              'optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])',
              "pass", (RESUME,), "load_checkpoint leaves the optimizer moments at zero"),
-    Mutation("compute-copy-not-refreshed", "src/zeroshard/unit.py", "                updated.copy_(self.master)\n",
-             "                pass\n", (BF16,), "the bf16 parameters are not refreshed from the fp32 master"),
-    Mutation("no-real-master", "src/zeroshard/unit.py", "                updated.copy_(self.master)\n",
-             "                updated.copy_(self.master)\n                self.master.copy_(updated)\n", (BF16,),
+    Mutation("compute-copy-not-refreshed", "src/zeroshard/flat_param.py",
+             "                updated.copy_(self.master)\n", "                pass\n", (BF16,),
+             "the bf16 parameters are not refreshed from the fp32 master"),
+    Mutation("no-real-master", "src/zeroshard/flat_param.py", "                updated.copy_(self.master)\n",
+             "                updated.copy_(self.master)\n"
+             "                self.master.copy_(updated)\n", (BF16,),
              "the fp32 master is re-copied from the rounded bf16 parameters after every step"),
     Mutation("clip-norm-local", "src/zeroshard/optim.py", "            comm.all_reduce(squares)\n",
-             "            pass\n", (TRAINING,), "the clipping norm is this rank's shard's norm, not the global one"),
+             "            pass\n", (TRAINING,),
+             "the clipping norm is this rank's shard's norm, not the global one"),
     Mutation("clip-not-applied", "src/zeroshard/optim.py",
              "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
              "the clipping coefficient is computed but not applied"),
     Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
-    Mutation("persistent-regather", "src/zeroshard/unit.py",
+    Mutation("persistent-regather", "src/zeroshard/flat_param.py",
              "            if not (self.policy.shard_optimizer and self.persistent):",
-             "            if not (self.policy.shard_optimizer and self.persistent and not self.policy.shard_params):",
+             "            if not (self.policy.shard_optimizer and self.persistent"
+             " and not self.policy.shard_params):",
              (f"{P}::test_stage3_persistent_and_gathered_units",),
              "stage-3 persistent trainable buffers are not re-gathered after the step"),
     Mutation("accumulation-not-averaged", "src/zeroshard/engine.py",
              "factor = self.scaler.scale / self.config.gradient_accumulation_steps",
              "factor = self.scaler.scale", (TRAINING,),
              "the loss is not divided by gradient_accumulation_steps"),
-    Mutation("accumulation-overwrites", "src/zeroshard/unit.py",
-             "accumulate = self.policy.shard_grads and self.has_grad", "accumulate = False", (TRAINING,),
+    Mutation("accumulation-overwrites", "src/zeroshard/flat_param.py",
+             "accumulate = self.policy.shard_grads and self.grad_state in",
+             "accumulate = False and self.grad_state in", (TRAINING,),
              "stages 2-3 overwrite the gradient shard with each micro-batch instead of adding"),
     Mutation("accumulate-in-16-bit", "src/zeroshard/precision.py",
              "accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute",
@@ -104,13 +110,15 @@ MUTATIONS = [
              "reduce_dtype=config.dtype(config.communication_data_type)", "reduce_dtype=compute", (SGD_16,),
              "communication_data_type is accepted but gradients are reduced in the compute dtype"),
     Mutation("scale-never-grows", "src/zeroshard/precision.py", "                self.scale *= 2.0\n",
-             "                pass\n", (SCALER,), "the loss scale never grows after loss_scale_window clean steps"),
+             "                pass\n", (SCALER,),
+             "the loss scale never grows after loss_scale_window clean steps"),
     Mutation("hysteresis-ignored", "src/zeroshard/precision.py", "        if self._tolerance > 1:",
              "        if False:", (SCALER,), "every overflow halves the scale, whatever the hysteresis"),
     Mutation("scheduler-steps-on-skip", "src/zeroshard/engine.py",
              "self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:",
              "self.lr_scheduler is not None:", (SCALER,), "the lr scheduler steps on skipped fp16 steps"),
-    Mutation("scaler-not-loaded", "src/zeroshard/engine.py", '        self.scaler.load_state_dict(extra["scaler"])\n',
+    Mutation("scaler-not-loaded", "src/zeroshard/engine.py",
+             '        self.scaler.load_state_dict(extra["scaler"])\n',
              "", (BIT_EXACT,), "load_checkpoint does not restore the loss scale"),
     Mutation("scheduler-not-loaded", "src/zeroshard/engine.py",
              '            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])\n', "            pass\n",
@@ -123,8 +131,9 @@ MUTATIONS = [
              "                if flat.trainable:\n                    pass\n", (RESUME_16,),
              "after a load, 16-bit parameters keep their old values until the next step"),
     Mutation("buffers-not-broadcast", "src/zeroshard/engine.py", "                comm.broadcast(b, 0)\n",
-             "                pass\n", (PARITY2,), "initialize() keeps each rank's own buffers instead of rank 0's"),
-    Mutation("recompute-frees-unit", "src/zeroshard/wrap.py",
+             "                pass\n", (PARITY2,),
+             "initialize() keeps each rank's own buffers instead of rank 0's"),
+    Mutation("recompute-frees-unit", "src/zeroshard/units.py",
              "        if torch._C._current_graph_task_id() != -1:", "        if False:",
              (f"{ROB}::test_activation_checkpointing_at_stage_3",),
              "a recomputation inside backward (activation checkpointing) frees its unit like a forward"),
@@ -176,7 +185,8 @@ def run_tests(dest: str, tests: tuple[str, ...], timeout: float) -> dict:
                                f"--junitxml={junit}", *tests], cwd=dest, env=env, capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"outcome": "hung", "seconds": time.time() - start, "ratios": {}, "closest": {}, "failures": {}}
+        return {"outcome": "hung", "seconds": time.time() - start, "ratios": {}, "closest": {},
+                "failures": {}}
     ratios: dict[str, float] = {}    # test -> its largest error ratio
     closest: dict[str, str] = {}     # test -> the check that came closest to its tolerance
     if os.path.exists(log):
@@ -242,7 +252,8 @@ def main() -> None:
             _copy_tree(clean)
             base = run_tests(clean, tests, args.timeout * 2)
         if base["outcome"] != "passed":
-            raise SystemExit(f"the unmutated suite fails these tests; fix that first: {sorted(base['failures'])}")
+            raise SystemExit(f"the unmutated suite fails these tests; fix that first: "
+                             f"{sorted(base['failures'])}")
         print(f"baseline: {len(tests)} tests pass unmutated ({base['seconds']:.0f} s). Largest error of "
               f"each test's tolerance checks, as a multiple of its tolerance:", flush=True)
         for test, ratio in sorted(base["ratios"].items()):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zeroshard.gpt import GPT, GPTConfig, lm_loss
+from zeroshard.app.gpt import GPT, GPTConfig, lm_loss
 from step_report import report
 from wiretap import wiretap
 
@@ -56,7 +56,8 @@ def corpus(max_bytes: int = 1_000_000) -> torch.Tensor:
     return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
-def batch(tokens: torch.Tensor, step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(tokens: torch.Tensor, step: int, rank: int,
+          args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1_000_003 * step + rank)
     starts = torch.randint(len(tokens) - args.seq - 1, (args.batch,), generator=g)
     window = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
@@ -65,7 +66,8 @@ def batch(tokens: torch.Tensor, step: int, rank: int, args: argparse.Namespace) 
 
 def new_model(args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
-    return GPT(GPTConfig(seq_len=args.seq, layers=args.layers, width=args.width, heads=max(1, args.width // 32)))
+    return GPT(GPTConfig(seq_len=args.seq, layers=args.layers, width=args.width,
+                         heads=max(1, args.width // 32)))
 
 
 def adamw(params, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -87,7 +89,8 @@ def build_ddp(model: GPT, args: argparse.Namespace, zero_optim: bool) -> Step:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(model)
-    opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, foreach=False)
+    opt = (ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr,
+                                   foreach=False)
            if zero_optim else adamw(ddp.parameters(), args))
     return plain_step(ddp, opt)
 
@@ -112,7 +115,8 @@ def engine_step(engine, after_backward: Callable[[], None] = lambda: None) -> St
     return step
 
 
-def build_zeroshard(model: GPT, args: argparse.Namespace, stage: int, stats: dict, overlap: bool | None) -> Step:
+def build_zeroshard(model: GPT, args: argparse.Namespace, stage: int, stats: dict,
+                    overlap: bool | None) -> Step:
     import zeroshard
     zero = {"stage": stage} if overlap is None else {"stage": stage, "overlap_comm": overlap}  # None: default
     config = {"zero_optimization": zero}
@@ -234,8 +238,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--impls", default=",".join(ALL), help="comma-separated subset of: " + ",".join(ALL))
     p.add_argument("--rss", action=argparse.BooleanOptionalAction, default=None,
-                   help="measure peak RSS, each implementation in a fresh world (default: on, off with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke test: 2 layers x 64, seq 32, 2+3 steps, no RSS")
+                   help="measure peak RSS, each implementation in a fresh world "
+                        "(default: on, off with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 2 layers x 64, seq 32, 2+3 steps, no RSS")
     args = p.parse_args()
     if args.quick:
         args.layers, args.width, args.seq, args.warmup, args.steps = 2, 64, 32, 2, 3
@@ -253,7 +259,8 @@ def main() -> None:
         try:
             import deepspeed  # noqa: F401
         except Exception as e:  # not installed, or it fails to import here
-            print(f"note: DeepSpeed is not importable ({type(e).__name__}: {e}); skipping it", file=sys.stderr)
+            print(f"note: DeepSpeed is not importable ({type(e).__name__}: {e}); skipping it",
+                  file=sys.stderr)
             args.impls = [m for m in args.impls if not m.startswith("deepspeed")]
     os.makedirs(OUT, exist_ok=True)
     alone = {m: argparse.Namespace(**{**vars(args), "impls": [m]}) for m in args.impls}
@@ -262,7 +269,8 @@ def main() -> None:
     text = report(args, timing, rss)
     print(text)
     open(os.path.join(OUT, "step_time.md"), "w").write(text + "\n")
-    json.dump({"args": vars(args), "timing": timing, "rss": rss}, open(os.path.join(OUT, "step_time.json"), "w"))
+    json.dump({"args": vars(args), "timing": timing, "rss": rss},
+              open(os.path.join(OUT, "step_time.json"), "w"))
 
 
 if __name__ == "__main__":

@@ -26,12 +26,14 @@ COUNTED = {"all_reduce": ("tensor", 2), "all_gather_into_tensor": ("output_tenso
            "_all_gather_base": ("output_tensor", 1), "all_gather": ("tensor_list", 1),
            "reduce_scatter_tensor": ("input", 1), "_reduce_scatter_base": ("input", 1),
            "reduce_scatter": ("input_list", 1), "broadcast": ("tensor", 1), "all_to_all_single": ("input", 1),
-           "all_gather_single": ("output_tensor", 1), "reduce_scatter_single": ("input", 1),  # torch 2.13 names
+           # torch 2.13 names
+           "all_gather_single": ("output_tensor", 1), "reduce_scatter_single": ("input", 1),
            "all_reduce_coalesced": ("tensors", 2), "all_gather_coalesced": ("output_tensor_lists", 1),
            "all_to_all": ("input_tensor_list", 1), "reduce": ("tensor", 1), "gather": ("tensor", 1),
            "scatter": ("tensor", 1)}
 # The kind each counted function belongs to (as zeroshard's comm_stats() names them).
-KIND = {name: next((k for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") if k in name), name)
+KIND = {name: next((k for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all") if k in name),
+                   name)
         for name in COUNTED}
 
 

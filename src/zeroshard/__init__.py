@@ -12,16 +12,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
-from .comm import Comm, ensure_process_group
+from .checks import ModelMismatchError
+from .comm import Comm, ensure_process_group, gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
 from .construct import init, is_deferred, materialize
-from .checks import ModelMismatchError
 from .engine import Engine
-from .memory import paper_model_state_bytes
+from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec
+from .paper import paper_model_state_bytes
 
-__all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "Config", "ConfigError", "CheckpointError", "Engine",
-           "ModelMismatchError", "paper_model_state_bytes"]
+__all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "Config", "ConfigError",
+           "CheckpointError", "Engine", "ModelMismatchError", "paper_model_state_bytes",
+           "ensure_process_group", "rank_and_world_size", "mean_over_ranks", "gather_objects",
+           "tensor_bytes", "optimizer_state_bytes"]
 __version__ = "0.1.0"
 
 

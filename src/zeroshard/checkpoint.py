@@ -19,12 +19,11 @@ import shutil
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .comm import Comm
-from .unit import FlatParam
+from .flat_param import FlatParam
 
 LATEST = "latest"
 
@@ -34,19 +33,6 @@ class CheckpointError(RuntimeError):
 
 
 # ---- where each rank's elements are -------------------------------------------------------------
-def _dest_range(flat: FlatParam) -> tuple[int, int]:
-    """Elements of the padded buffer this rank holds a persistent fp32/compute copy of."""
-    holds_full = not flat.policy.shard_optimizer if flat.trainable else not flat.policy.shard_params
-    return (0, flat.layout.padded_numel) if holds_full else flat.range
-
-
-def _dest(flat: FlatParam) -> torch.Tensor:
-    """The tensor covering _dest_range: master (trainable), else the shard or the full buffer."""
-    if flat.trainable:
-        return flat.master
-    return flat.shard if flat.policy.shard_params else flat.full
-
-
 def _slices(flat: FlatParam, lo: int, hi: int):
     """(canonical name, start within the parameter, [a, b) within the padded buffer) of every
     parameter's elements that fall in [lo, hi)."""
@@ -64,13 +50,13 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
     if comm.rank == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an interrupted save
-    dist.barrier(group=comm.group)
+    comm.barrier()
     state: dict[str, Any] = {f"rng/{comm.rank}": torch.get_rng_state()}
     elementwise: set[str] = set()
     scalars: dict[int, dict[str, Any]] = {}
     for flat in flats:
         owned = slice(*flat.range)  # each rank writes only its own shard, at every stage
-        values = _dest(flat).detach()
+        values = flat.owned_values().detach()
         values = values[owned] if values.numel() == flat.layout.padded_numel else values
         opt_state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
         for name, start, a, b in _slices(flat, *flat.range):
@@ -92,10 +78,10 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
     dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
-    dist.barrier(group=comm.group)
+    comm.barrier()
     if comm.rank == 0:
         _commit(directory, tmp, final, tag)
-    dist.barrier(group=comm.group)
+    comm.barrier()
     return final
 
 
@@ -142,7 +128,8 @@ def resolve(path: str) -> str:
             tag = f.read().strip()
         path = os.path.join(path, tag)
         if not os.path.isdir(path):
-            raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in {os.path.dirname(path)}")
+            raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in "
+                                  f"{os.path.dirname(path)}")
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted "
                               f"save, or not a zeroshard checkpoint directory")
@@ -204,7 +191,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         request[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
     wanted = []  # (flat, name, piece start, piece length, [a, b) in the buffer)
     for flat in flats:
-        lo, hi = _dest_range(flat)
+        lo, hi = flat.owned_range()
         for name, start, a, b in _slices(flat, lo, hi):
             for piece, length in _overlapping(meta, name, start, b - a):
                 wanted.append((flat, name, piece, length, a - start + piece))
@@ -245,16 +232,17 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
         if flat.trainable:
             optimizer.state[flat.opt_param] = {k: torch.zeros_like(flat.master) for k in meta["elementwise"]}
             for key, value in meta["scalars"].get(flat.group, {}).items():
-                optimizer.state[flat.opt_param][key] = value.clone() if isinstance(value, torch.Tensor) else value
+                copy = value.clone() if isinstance(value, torch.Tensor) else value
+                optimizer.state[flat.opt_param][key] = copy
             if not optimizer.state[flat.opt_param]:
                 del optimizer.state[flat.opt_param]
     with torch.no_grad():
         for flat, name, piece, length, offset in wanted:
-            lo, hi = _dest_range(flat)
+            lo, hi = flat.owned_range()
             a, b = max(lo, offset), min(hi, offset + length)  # in the buffer
             src = slice(a - offset, b - offset)
             dst = slice(a - lo, b - lo)
-            _dest(flat)[dst].copy_(request[f"param/{name}/{piece}"][src])
+            flat.owned_values()[dst].copy_(request[f"param/{name}/{piece}"][src])
             for key in (meta["elementwise"] if flat.trainable else []):
                 optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):

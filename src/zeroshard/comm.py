@@ -1,4 +1,5 @@
-"""Collectives with accounting: the only module that calls torch.distributed collectives.
+"""Collectives with accounting: the only module of zeroshard that calls torch.distributed collectives
+(torch.distributed.checkpoint's own, inside dcp.save/load, excepted).
 
 Besides the plain collectives, it owns *how* flat buffers are communicated: in constant-size buckets
 (the paper's CB: a bucket never grows with the model), converted to a reduction dtype on the way,
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import os
 import pickle
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Iterator, Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
+
+from .states import temporarily
 
 
 def _all_gather_flat(*args, **kwargs):
@@ -190,32 +192,53 @@ class Comm:
         self.largest_bucket = max(self.largest_bucket, bucket.numel() * bucket.element_size())
 
     def all_gather_objects(self, obj: object) -> list[object]:
-        """Small picklable objects from every rank (checks and reports; not counted as traffic).
+        """Small picklable objects from every rank (checks, checkpoint metadata, reports): counted
+        in the total, never in a step's window.
 
         Done with tensors rather than dist.all_gather_object, which needs numpy."""
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
-        sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        _all_gather_flat(sizes, torch.tensor([payload.numel()], device=self.device), group=self.group)
-        longest = int(sizes.max())
-        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        padded[:payload.numel()] = payload
-        gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
-        _all_gather_flat(gathered, padded, group=self.group)
+        with self.outside_step():
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+            sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+            self.all_gather(sizes, torch.tensor([payload.numel()], device=self.device))
+            longest = int(sizes.max())
+            padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+            padded[:payload.numel()] = payload
+            gathered = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
+            self.all_gather(gathered, padded)
         rows = gathered.cpu().view(self.world_size, longest)
         return [pickle.loads(bytes(rows[r, :int(sizes[r])].tolist())) for r in range(self.world_size)]
+
+    def barrier(self) -> None:
+        """Wait for every rank (moves no data, so nothing is counted)."""
+        dist.barrier(group=self.group)
 
     def end_step(self) -> None:
         self.last_step, self.window = self.window, _fresh()
 
-    @contextmanager
-    def outside_step(self) -> Iterator[None]:
-        previous, self._counting_step = self._counting_step, False
-        try:
-            yield
-        finally:
-            self._counting_step = previous
+    def outside_step(self) -> ContextManager[None]:
+        """Traffic inside counts in the total only (set-up, exports, checkpoints)."""
+        return temporarily(self, "_counting_step", False)
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         def table(t: dict[Kind, Counter]) -> dict[str, dict[str, int]]:
             return {k.value: {"calls": c.calls, "bytes": c.bytes} for k, c in t.items()}
         return {"last_step": table(self.last_step), "total": table(self.total)}
+
+
+# ---- public helpers for training scripts (the app uses these, not torch.distributed) -------------
+def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This process's rank and the number of ranks in `group` (default: the world)."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def mean_over_ranks(value: torch.Tensor | float, group: dist.ProcessGroup | None = None) -> float:
+    """Collective: the mean over ranks of a scalar (a loss to log), every rank gets it."""
+    comm = Comm(group)
+    total = torch.as_tensor(value, dtype=torch.float32).detach().reshape(()).to(comm.device, copy=True)
+    comm.all_reduce(total)
+    return total.item() / comm.world_size
+
+
+def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Collective: a small picklable object from every rank, in rank order, on every rank."""
+    return Comm(group).all_gather_objects(obj)

@@ -1,9 +1,9 @@
 """Engine: wraps a module for ZeRO data parallelism. The stage is data (a StagePolicy), not code paths.
 
 One step, at every stage:
-  forward    stage 3 gathers each unit before use and frees it after (hooks in wrap.Unit);
+  forward    stage 3 gathers each unit before use and frees it after (hooks in units.Unit);
   backward   each parameter's gradient moves into its flat buffer as soon as it is accumulated;
-             complete buffers are reduced in one fixed order (grads.py): during backward at
+             complete buffers are reduced in one fixed order (reduce.py): during backward at
              stages 2-3 (and 0-1 with overlap_comm), else at step();
   step       the optimizer updates the flat tensors it owns (fp32 masters), stages 1-2
              all-gather the updated parameters, gradients are cleared.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any, Iterator
 
 import torch
@@ -22,14 +23,31 @@ from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
-from .grads import GradientReducer
+from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
+from .states import move
 from .policy import Buckets, StagePolicy
-from .unit import FlatParam
-from .wrap import Unit, UnitOrder, assign_params, find_units, install_hooks, persistent_buffers
+from .flat_param import FlatParam
+from .prefetch import UnitOrder
+from .units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
 
 logger = logging.getLogger("zeroshard")
+
+
+class TrainingState(Enum):
+    """Where the engine stands between two step() calls (a micro-step)."""
+
+    IDLE = "idle"                    # no engine.backward() since the last step() call
+    BACKWARD = "backward"            # inside engine.backward()
+    BACKWARD_DONE = "backward done"  # engine.backward() finished its backward: step() need not
+
+
+_STATE_MOVES = {
+    TrainingState.IDLE: {TrainingState.BACKWARD},
+    TrainingState.BACKWARD: {TrainingState.BACKWARD_DONE, TrainingState.IDLE},  # IDLE: backward raised
+    TrainingState.BACKWARD_DONE: {TrainingState.BACKWARD, TrainingState.IDLE},
+}
 
 
 class Engine:
@@ -77,7 +95,8 @@ class Engine:
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
-        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, config.zero.stage3_prefetch_bucket_size,
+        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries,
+                                    config.zero.stage3_prefetch_bucket_size,
                                     config.zero.stage3_max_live_parameters)
         install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
@@ -85,8 +104,11 @@ class Engine:
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
-        self._backward_finished = False
+        self.state = TrainingState.IDLE
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
+
+    def _set_state(self, new: TrainingState) -> None:
+        self.state = move(self.state, new, _STATE_MOVES, "the engine")
 
     def wait_for_parameters(self) -> None:
         """Stages 1-2 with zeroshard.defer_param_gather: complete the post-step all-gathers still
@@ -101,37 +123,20 @@ class Engine:
         one) and original dtype. Collective at stage 3, where every rank fails alike."""
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
-                full = flat.gathered_copy()
-                for p, slot in zip(flat.params, flat.layout.slots):
-                    value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                for p, (_, value) in zip(flat.params, flat.gathered_params()):
                     p.data = value.to(original_dtypes[id(p)], copy=True)
 
-
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
-        names = find_units(self.module, self.config.unit_modules)
         zero = self.config.zero
         buckets = Buckets(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        units = []
-        for name, named_params in assign_params(self.module, names).items():
-            # Built under zeroshard.init(): materialized one unit at a time, so at stage 3 a
-            # rank never holds more than its shards and one unit in full.
-            replaced = materialize_((p for _, p in named_params), self.module)
-            named_params = [(n, replaced.get(id(p), p)) for n, p in named_params]
-            group_of.update({id(replaced[old]): group_of[old] for old in replaced if old in group_of})
-            by_group: dict[int, list] = {}
-            for names_and_param in named_params:  # frozen parameters get a buffer of their own (-1)
-                by_group.setdefault(group_of.get(id(names_and_param[1]), -1), []).append(names_and_param)
-            flats = []
-            for group, members in sorted(by_group.items()):
-                numel = sum(p.numel() for _, p in members)
-                flat = FlatParam(members, self.comm, self.policy, buckets, self.precision, trainable=group >= 0,
-                                 persistent=numel <= zero.stage3_param_persistence_threshold,
-                                 group=group)
-                flats.append(flat)
-                self.flats.append(flat)
-            if flats:
-                units.append(Unit(name, self.module.get_submodule(name), flats))
-        return units
+
+        def new_flat(members: NamedParams, group: int) -> FlatParam:
+            numel = sum(p.numel() for _, p in members)
+            flat = FlatParam(members, self.comm, self.policy, buckets, self.precision, trainable=group >= 0,
+                             persistent=numel <= zero.stage3_param_persistence_threshold, group=group)
+            self.flats.append(flat)  # as soon as it exists, so a failure later can undo it
+            return flat
+        return build_units(self.module, self.config.unit_modules, group_of, new_flat)
 
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -149,22 +154,25 @@ class Engine:
         yet reduced (stages 2-3; inside no_sync() nothing is reduced)."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
-        self.reducer.eager_full = self.config.overlap_comm and self.is_gradient_accumulation_boundary()
+        self._set_state(TrainingState.BACKWARD)
+        ends_cycle = self.config.overlap_comm and self.is_gradient_accumulation_boundary()
+        self.reducer.begin_backward(ends_cycle)
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward()
+        try:
+            (loss * factor if factor != 1.0 else loss).backward()
+        except BaseException:
+            self._set_state(TrainingState.IDLE)
+            raise
         self._finish_backward()
-        self._backward_finished = True  # decided by API calls, the same on every rank
+        self._set_state(TrainingState.BACKWARD_DONE)  # decided by API calls, the same on every rank
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate locally without communicating; the first backward
         after it reduces everything accumulated. At stages 2-3 this keeps full-size gradients alive
         between backwards (memory), as FSDP's no_sync does."""
-        previous, self.reducer.sync = self.reducer.sync, False
-        try:
+        with self.reducer.no_sync():
             yield
-        finally:
-            self.reducer.sync = previous
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Will the next step() call update the parameters?"""
@@ -182,9 +190,9 @@ class Engine:
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
         the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
-        if not self._backward_finished:
+        if self.state is not TrainingState.BACKWARD_DONE:
             self._finish_backward()  # the user called loss.backward() instead of engine.backward()
-        self._backward_finished = False
+        self._set_state(TrainingState.IDLE)
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
@@ -194,7 +202,7 @@ class Engine:
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
                     flat.reduce_grads()
-        self.reducer.reduced_this_step = False
+        self.reducer.end_step()
         skipped = self.scaler.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
@@ -265,10 +273,8 @@ class Engine:
         self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
-                full = flat.gathered_copy()
-                for slot in flat.layout.slots:
-                    value = full[slot.offset:slot.offset + slot.numel].view(slot.shape).float().cpu().clone()
-                    values.update({name: value for name in slot.names})
+                for slot, value in flat.gathered_params():
+                    values.update(dict.fromkeys(slot.names, value.float().cpu().clone()))
             for name, buffer in self._buffers.items():
                 copy = buffer.detach().clone()
                 self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
@@ -283,7 +289,7 @@ class Engine:
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
         the moments they peak: after each unit is gathered and when a buffer's gradient is complete."""
-        now = sum(f.bytes_held()["temporary"] for f in self.flats)
+        now = sum(memory.buffer_bytes(f)["temporary"] for f in self.flats)
         self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:

@@ -16,7 +16,8 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise RuntimeError("--hf-config needs the transformers package: pip install 'zeroshard[hf]'") from None
+        raise RuntimeError("--hf-config needs the transformers package: "
+                           "pip install 'zeroshard[hf]'") from None
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"--hf-config: '{file}' does not exist")

@@ -1,9 +1,7 @@
-"""Memory: what this rank holds (exact sums over the engine's own buffers) and the paper's model.
+"""Memory: what this rank holds, as exact sums over the engine's own buffers (distinct storages).
 
-The paper's per-rank model-state memory for Ψ parameters on N data-parallel ranks, with p, g and k
-bytes per parameter of parameters, gradients and optimizer state: stage 0 (p + g + k)Ψ; stage 1
-(p + g)Ψ + kΨ/N; stage 2 pΨ + (g + k)Ψ/N; stage 3 (p + g + k)Ψ/N. fp32 Adam: p = g = 4, k = 8;
-mixed-precision Adam: p = g = 2, k = 12.
+The paper's formulas these are held to live in paper/formulas.py; tests compare the two, and an
+independent census of every live tensor.
 """
 from __future__ import annotations
 
@@ -13,17 +11,40 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from .flat_param import FlatParam, ParamState
 
-def paper_model_state_bytes(psi: float, world_size: int, stage: int, param_bytes: float = 2,
-                            grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
-    """Per-rank model-state bytes from the ZeRO paper's formulas (Figure 1, Table 1)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    n = world_size
-    p = param_bytes / n if stage >= 3 else param_bytes
-    g = grad_bytes / n if stage >= 2 else grad_bytes
-    k = optimizer_bytes / n if stage >= 1 else optimizer_bytes
-    return (p + g + k) * psi
+
+def _inflight_bytes(flat: FlatParam) -> int:
+    """Inputs kept alive only by reductions in flight (not the persistent stage 0-1 gradient)."""
+    persistent = None if flat.policy.shard_grads or flat.grad_full is None else \
+        flat.grad_full.untyped_storage().data_ptr()
+    return sum(_nbytes(keep) for _, _, keep in flat.inflight
+               if keep.untyped_storage().data_ptr() != persistent)
+
+
+def buffer_bytes(flat: FlatParam) -> dict[str, int]:
+    """One flat buffer's bytes by category: lasting params / grads / master copy, and the
+    temporaries alive now (a gathered buffer, a full-size gradient, inputs of reductions in flight)."""
+    sharded_g = flat.policy.shard_grads
+    if not flat.policy.shard_params:
+        params, gathered_temp = _nbytes(flat.full), 0
+    elif flat.persistent:  # stage 3 below the persistence threshold: shard and full both kept
+        params, gathered_temp = _nbytes(flat.shard) + _nbytes(flat.full), 0
+    else:
+        params = _nbytes(flat.shard)
+        gathered_temp = _nbytes(flat.full) if flat.state is not ParamState.SHARDED else 0
+    separate = flat.trainable and flat.precision.separate_master
+    return {
+        "params": params,
+        "grads": _nbytes(flat.grad_shard) if sharded_g else _nbytes(flat.grad_full),
+        "master": _nbytes(flat.master) if separate else 0,
+        "temporary": gathered_temp + (_nbytes(flat.grad_full) if sharded_g else 0)
+        + _inflight_bytes(flat),
+    }
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -40,12 +61,12 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                         if isinstance(v, torch.Tensor))
 
 
-def engine_stats(flats: list, optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
+def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
                  peak_temporary: int, largest_bucket: int) -> dict[str, int]:
     """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category."""
     held: Counter = Counter()
     for flat in flats:
-        held.update(flat.bytes_held())
+        held.update(buffer_bytes(flat))
     # The paper's K counts the fp32 master copy with the optimizer state (K = 12 for Adam).
     optim = optimizer_state_bytes(optimizer) + held["master"]
     stats = {"params": held["params"], "grads": held["grads"], "optimizer": optim,

@@ -14,11 +14,12 @@ from torch import nn
 from .comm import Comm
 from .config import Config, ConfigError
 from .precision import LossScaler
-from .unit import FlatParam
+from .flat_param import FlatParam
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 # Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
-_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name, None) for name in ("Adafactor", "Muon", "LBFGS", "SparseAdam"))
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name, None)
+                         for name in ("Adafactor", "Muon", "LBFGS", "SparseAdam"))
 
 
 def resolve_groups(model: nn.Module, param_groups: list[dict] | None) -> tuple[list[dict], dict[int, int]]:
@@ -60,26 +61,29 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
     if spec is None:
         if config.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer=... to initialize, or add "
-                              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}} to the config")
+                              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}} "
+                              "to the config")
         cls, kwargs = config.optimizer.build_class(), config.optimizer.params
     elif isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
         cls, kwargs = spec, (config.optimizer.params if config.optimizer else {})
     elif callable(spec):
         cls, kwargs = spec, {}
     else:
-        raise TypeError(f"optimizer must be a callable, an Optimizer class or None, got {type(spec).__name__}")
+        raise TypeError(f"optimizer must be a callable, an Optimizer class or None, "
+                        f"got {type(spec).__name__}")
     try:
         optimizer = cls(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"could not build the optimizer {getattr(cls, '__name__', cls)} with "
                           f"{kwargs} over zeroshard's flat shards: {e}") from None
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, "
+                        f"not a torch.optim.Optimizer")
     whole_tensor = [c for c in _NOT_ELEMENTWISE if c is not None and isinstance(optimizer, c)]
     if whole_tensor:
         raise ConfigError(f"{whole_tensor[0].__name__} updates each parameter from properties of the whole "
-                          f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards it would "
-                          f"compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
+                          f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards "
+                          f"it would compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
                           f"Adagrad, RMSprop, ...)")
     given = {id(t) for g in groups for t in g["params"]}
     seen = {id(t) for g in optimizer.param_groups for t in g["params"]}

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .config import ScalerConfig
+
 if TYPE_CHECKING:
     from .config import Config
 
@@ -55,17 +57,6 @@ def convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
         for name, b in m._buffers.items():
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 m._buffers[name] = b.to(dtype)
-
-
-@dataclass
-class ScalerConfig:
-    """DeepSpeed's fp16 knobs. loss_scale 0 means dynamic, starting at 2**initial_scale_power."""
-
-    loss_scale: float = 0.0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
 
 
 class LossScaler:

@@ -1,0 +1,187 @@
+"""The `zeroshard` command: `train` (the main job) and `estimate` (the paper's memory model)."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .gpt import SIZES
+
+
+def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps in total (default {steps})")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size (default small)")
+    p.add_argument("--layers", type=int, help="override the number of layers")
+    p.add_argument("--width", type=int, help="override the model width")
+    p.add_argument("--hf-config", help="a Hugging Face config.json: train that architecture from scratch "
+                                       "(needs transformers)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="fp32, or mixed precision with fp32 master weights (default fp32)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
+                                                         "Python standard library's own source)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage and --precision override it)")
+    p.add_argument("--out", default="out", help="output directory (default ./out)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a small GPT with ZeRO on local ranks",
+                       description="Train a byte-level GPT on the Python standard library's source "
+                                   "(or --data) with ZeRO across local ranks; report memory and traffic "
+                                   "beside the paper's formulas, plot the loss, sample text, checkpoint.")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
+                                                          "--nproc) up to --steps in total")
+    _add_training_options(p, steps=300)
+
+
+def _compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="train the same model with DDP and each ZeRO stage, side by side",
+                       description="Train the same model on the same data without ZeRO (torch DDP) and "
+                                   "with each ZeRO stage; print time, memory and loss per run and write "
+                                   "a bar chart (OUT/compare.png).")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
+                   help="ZeRO stages to run (default 0 1 2 3)")
+    _add_training_options(p, steps=30)
+
+
+def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("estimate", help="per-rank model-state memory from the paper's formulas",
+                       description="Per-rank model-state memory (params, grads, optimizer state) from "
+                                   "the ZeRO paper's formulas for a parameter count or a model config, "
+                                   "beside stages 0-3; or the paper's Table 1 and Table 2 recomputed.")
+    p.add_argument("--params", type=float, help="parameter count Ψ, e.g. 7.5e9")
+    p.add_argument("--model", choices=sorted(SIZES), help="a built-in zeroshard GPT size instead of --params")
+    p.add_argument("--layers", type=int, help="built-in GPT layers (overrides --model's; default small's)")
+    p.add_argument("--width", type=int, help="built-in GPT width (overrides --model's; default small's)")
+    p.add_argument("--hf-config",
+                   help="a Hugging Face config.json (GPT-2 or LLaMA style) instead of --params")
+    p.add_argument("--nproc", type=int, default=64, help="GPUs in all, DP x MP (default 64)")
+    p.add_argument("--mp", type=int, default=1, help="model-parallel degree; DP = nproc / mp (default 1)")
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="fp32 Adam (4+4+8 bytes/param) or mixed-precision Adam (2+2+12) (default bf16)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="optimizer state in host memory: device and host bytes are reported apart")
+    p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
+    p.add_argument("--table2", action="store_true",
+                   help="print Table 2's theoretical columns recomputed and exit")
+    return p
+
+
+def _estimate_psi(parser: argparse.ArgumentParser, args: argparse.Namespace) -> float:
+    """Ψ from exactly one source: --params, a built-in GPT (--model/--layers/--width), or --hf-config."""
+    from zeroshard.paper.estimate import load_hf_config
+    from .gpt import gpt_params
+    builtin = args.model is not None or args.layers is not None or args.width is not None
+    given = [name for name, on in [("--params", args.params is not None),
+                                   ("--model/--layers/--width", builtin),
+                                   ("--hf-config", args.hf_config is not None)] if on]
+    if len(given) != 1:
+        parser.error("give one of --params, --model (or --layers/--width) or --hf-config"
+                     + (f", not {' and '.join(given)}" if given else ""))
+    if args.params is not None:
+        if not 0 < args.params < math.inf:  # also refuses nan
+            parser.error(f"--params must be a finite number > 0, got {args.params}")
+        return args.params
+    if args.hf_config is not None:
+        try:
+            return load_hf_config(args.hf_config)
+        except (OSError, ValueError) as err:
+            parser.error(f"--hf-config {args.hf_config}: {err}")
+    _check_positive(parser, args, ["layers", "width"])
+    layers, width, _ = SIZES[args.model or "small"]
+    return gpt_params(args.layers or layers, args.width or width)
+
+
+def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from zeroshard.paper.estimate import report, table1_text, table2_text
+    if args.table1 or args.table2:
+        tables = [(args.table1, table1_text), (args.table2, table2_text)]
+        print("\n\n".join(text() for on, text in tables if on))
+        return
+    _check_positive(parser, args, ["nproc", "mp"])
+    if args.nproc % args.mp:
+        parser.error(f"--nproc ({args.nproc}) must be a multiple of --mp ({args.mp})")
+    psi = _estimate_psi(parser, args)
+    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer, args.mp))
+
+
+def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _consolidate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("consolidate", help="write a checkpoint's full fp32 weights as one file",
+                       description="Gather a sharded zeroshard checkpoint (any world size, any stage) "
+                                   "into full fp32 weights under the model's own names, loadable with "
+                                   "model.load_state_dict() without zeroshard. No process group needed.")
+    p.add_argument("checkpoint", help="a checkpoint directory, or a parent holding `latest`")
+    p.add_argument("output", help="output file: .safetensors or .pt")
+    return p
+
+
+def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from zeroshard import CheckpointError, consolidate
+    if not args.output.endswith((".safetensors", ".pt")):
+        parser.error(f"output '{args.output}' must end in .safetensors or .pt")
+    try:
+        weights = consolidate(args.checkpoint)
+    except CheckpointError as e:
+        parser.error(str(e))
+    if args.output.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in weights.items()}, args.output)
+    else:
+        import torch
+        torch.save(weights, args.output)
+    print(f"wrote {len(weights)} tensors to {args.output}")
+
+
+def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
+    from .data import check_paths
+    from .train import TrainArgs, build_model, launch
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "stages")}
+    train_args = TrainArgs(**options)
+    try:  # fail here, in one process, rather than in every rank
+        check_paths(args.data)
+        if args.config:
+            train_args.engine_config()
+        if args.hf_config:
+            build_model(train_args)
+    except (OSError, ValueError, RuntimeError) as e:
+        parser.error(str(e))
+    if args.command == "train":
+        launch(train_args)
+    else:
+        from .compare import compare
+        compare(train_args, args.stages)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO data parallelism for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _compare_parser(sub)
+    estimate = _estimate_parser(sub)
+    consolidate = _consolidate_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command in ("train", "compare"):
+        _run_training(parser, args)
+    elif args.command == "estimate":
+        _run_estimate(estimate, args)
+    elif args.command == "consolidate":
+        _run_consolidate(consolidate, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Byte-level text data for the main job. The default corpus is the Python standard library's own
+source: real text, present on every installation, so nothing is downloaded."""
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import torch
+
+
+def default_corpus_files(max_bytes: int = 4_000_000) -> list[str]:
+    """Sorted .py files of the standard library, up to about `max_bytes` (deterministic)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files, total = [], 0
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "test", "tests", "__pycache__"))
+        for name in sorted(names):
+            if name.endswith(".py") and total < max_bytes:
+                path = os.path.join(directory, name)
+                files.append(path)
+                total += os.path.getsize(path)
+    return files
+
+
+def load_corpus(paths: list[str] | None, max_bytes: int = 4_000_000) -> torch.Tensor:
+    """Bytes of the given text files (or directories of them), or of the default corpus."""
+    files = default_corpus_files(max_bytes) if not paths else _expand(paths)
+    chunks = []
+    for path in files:
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    data = b"\n".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def check_paths(paths: list[str]) -> None:
+    """Raise a clear error now for a --data path that is missing, unreadable or empty."""
+    if paths:
+        _expand(paths)
+
+
+def _expand(paths: list[str]) -> list[str]:
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            files += sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"--data: '{path}' is neither a file nor a directory")
+    for path in files:
+        if not os.access(path, os.R_OK):
+            raise PermissionError(f"--data: '{path}' is not readable")
+    if not files:
+        raise ValueError(f"--data: no files found under {paths}")
+    return files
+
+
+class Batches:
+    """Random windows of a token stream, split 90/10 into train and validation."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        cut = int(len(tokens) * 0.9)
+        self.splits = {"train": tokens[:cut], "val": tokens[cut:]}
+        self.seq_len = seq_len
+        for name, split in self.splits.items():
+            if len(split) <= seq_len + 1:
+                raise ValueError(f"the {name} split has {len(split)} tokens, fewer than seq_len + 2 = "
+                                 f"{seq_len + 2}; give more text or a shorter --seq-len")
+
+    def get(self, split: str, batch_size: int,
+            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.splits[split]
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (batch_size,), generator=generator)
+        window = torch.stack([data[s:s + self.seq_len + 1] for s in starts.tolist()])
+        return window[:, :-1], window[:, 1:]

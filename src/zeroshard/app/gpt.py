@@ -1,0 +1,107 @@
+"""A small GPT (nanoGPT-shaped) for the main job and benchmarks: byte-level, tied embeddings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+SIZES = {  # named sizes for the CLI: (layers, width, heads)
+    "tiny": (2, 64, 2), "small": (4, 128, 4), "medium": (6, 256, 8), "large": (8, 512, 8),
+}
+
+
+@dataclass
+class GPTConfig:
+    """A byte-level GPT (256-symbol vocabulary, learned positions); by default the "small" size."""
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    layers: int = SIZES["small"][0]
+    width: int = SIZES["small"][1]
+    heads: int = SIZES["small"][2]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.width % cfg.heads:
+            raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.width), nn.LayerNorm(cfg.width)
+        self.attn = SelfAttention(cfg)
+        self.mlp = nn.Sequential(nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(),
+                                 nn.Linear(4 * cfg.width, cfg.width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+@torch.no_grad()
+def sample(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, new_tokens: int,
+           context: int, generator: torch.Generator, temperature: float = 0.8,
+           top_k: int = 40) -> torch.Tensor:
+    """Top-k sampling from any causal LM given as idx -> logits. Under ZeRO stage 3 every rank must
+    call this together (each forward gathers parameters), with the same generator seed."""
+    for _ in range(new_tokens):
+        logits = logits_of(idx[:, -context:])[:, -1].float() / temperature
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return idx
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def gpt_params(layers: int, width: int) -> int:
+    """Ψ of this GPT at its default vocabulary and context (byte-level, tied), by the paper model's
+    GPT-2 count (tests hold the two equal)."""
+    from zeroshard.paper.estimate import gpt2_params
+    cfg = GPTConfig(layers=layers, width=width)
+    return gpt2_params(layers, width, cfg.vocab_size, cfg.seq_len)

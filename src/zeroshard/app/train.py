@@ -1,0 +1,200 @@
+"""`zeroshard train`: a small GPT trained with ZeRO on local ranks, with the paper's figures on screen.
+
+`launch` starts one process per rank through torch's elastic launcher (what torchrun uses); each
+rank runs `worker`, which reads top to bottom like any training loop. `zeroshard compare` runs the
+same worker once per stage and once with plain torch DDP (`ddp=True`) as the baseline.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import zeroshard
+from zeroshard.paper import BYTES_PER_PARAM
+
+from .data import Batches, load_corpus
+from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
+from .report import MIB, memory_table, plot_losses, traffic_line
+
+
+@dataclass
+class TrainArgs:
+    stage: int = 3
+    ddp: bool = False            # no ZeRO: torch DistributedDataParallel (compare's baseline)
+    nproc: int = 2
+    steps: int = 300
+    batch_size: int = 8          # per rank
+    seq_len: int = 64
+    size: str = "small"
+    layers: int | None = None
+    width: int | None = None
+    lr: float = 3e-3
+    precision: str = "fp32"
+    data: list[str] = field(default_factory=list)
+    config: str | None = None    # a DeepSpeed-style JSON; --stage and --precision override it
+    hf_config: str | None = None  # a Hugging Face config.json: that architecture, built from scratch
+    out: str = "out"
+    resume: bool = False
+    sample_tokens: int = 160
+    seed: int = 0
+    quiet: bool = False          # compare: no progress bar, no report
+
+    def engine_config(self) -> dict[str, Any]:
+        raw = dict(zeroshard.Config.load(self.config).raw) if self.config else {}
+        raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
+        for name in ("bf16", "fp16"):
+            raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
+        return raw
+
+
+def build_model(args: TrainArgs) -> nn.Module:
+    if args.hf_config:
+        from zeroshard.hf import causal_lm_from_config
+        return causal_lm_from_config(args.hf_config, args.seq_len)
+    layers, width, heads = SIZES[args.size]
+    width = args.width or width
+    return GPT(GPTConfig(seq_len=args.seq_len, layers=args.layers or layers, width=width,
+                         heads=heads if width % heads == 0 else 1))
+
+
+def launch(args: TrainArgs) -> dict[str, Any]:
+    """Run `worker` on args.nproc local ranks; returns rank 0's results."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"zeroshard-{port}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                          monitor_interval=0.2)
+    return elastic_launch(config, worker)(args)[0]
+
+
+def worker(args: TrainArgs) -> dict[str, Any]:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+    zeroshard.ensure_process_group()  # from the launcher's variables (initialize would, DDP does not)
+    torch.manual_seed(args.seed)
+    if args.ddp:
+        model = build_model(args)
+    else:  # partitioned construction: the same values, but no rank ever holds the whole model
+        with zeroshard.init():
+            model = build_model(args)
+    make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1)  # noqa: E731
+    engine = DDPBaseline(model, make_opt) if args.ddp else \
+        zeroshard.initialize(model, make_opt, args.engine_config())
+    rank, world = zeroshard.rank_and_world_size()
+    data = Batches(load_corpus(args.data or None), args.seq_len)
+    checkpoints = os.path.join(args.out, "checkpoints")
+    history: list[float] = []
+    if args.resume:
+        history = engine.load_checkpoint(checkpoints)["losses"]
+    progress = _progress(args, rank, initial=len(history))
+    times, tokens = [], 0
+    for step in range(len(history), args.steps):
+        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * world + rank)
+        x, y = data.get("train", args.batch_size, batch_rng)
+        start = time.perf_counter()
+        loss = lm_loss(logits_of(engine(x)), y)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+        history.append(zeroshard.mean_over_ranks(loss))
+        tokens += x.numel() * world
+        progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
+                             states_MiB=f"{engine.memory_stats()['model_states'] / MIB:.1f}")
+        progress.update()
+    progress.close()
+    val = _evaluate(engine, data, args)
+    stats = engine.memory_stats()
+    if not args.ddp:
+        engine.save_checkpoint(checkpoints, client_state={"losses": history, "args": asdict(args)})
+    text = _sample(engine, args)
+    per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
+    peak_rss = zeroshard.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0 and not args.quiet:
+        _report(engine, args, per_rank, history, val, text, sum(times))
+    return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
+            "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
+            "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": engine.num_parameters()}
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output  # Hugging Face models
+
+
+def _progress(args: TrainArgs, rank: int, initial: int):
+    from tqdm import tqdm
+    return tqdm(total=args.steps, initial=initial, disable=rank != 0 or args.quiet, desc="train",
+                dynamic_ncols=True)
+
+
+@torch.no_grad()
+def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
+    rng = torch.Generator().manual_seed(12345 + zeroshard.rank_and_world_size()[0])
+    losses = [lm_loss(logits_of(engine(x)), y) for x, y in (data.get("val", args.batch_size, rng)
+                                                           for _ in range(batches))]
+    return zeroshard.mean_over_ranks(torch.stack(losses).mean())
+
+
+def _sample(engine, args: TrainArgs) -> str:
+    """Every rank samples together with the same seed (stage 3 gathers inside each forward)."""
+    if not args.sample_tokens:
+        return ""
+    prompt = torch.tensor([list(b"def ")])
+    out = sample(lambda idx: logits_of(engine(idx)), prompt, args.sample_tokens, args.seq_len,
+                 torch.Generator().manual_seed(args.seed))
+    return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
+
+
+def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
+            text: str, seconds: float) -> None:
+    psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
+    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters; ZeRO stage {args.stage}, "
+          f"{world} ranks, {args.precision} AdamW "
+          f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
+    for line in memory_table(per_rank, psi, args.stage, args.precision):
+        print(line)
+    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
+    print(traffic_line(step_bytes, psi, args.stage, args.precision))
+    first = f"{history[0]:.4f} at step 1 -> " if history else ""
+    print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
+          f"{seconds:.1f} s in training steps this run")
+    plot = os.path.join(args.out, "loss.png")
+    plot_losses(history, val, plot)
+    print(f"loss curve: {plot}; checkpoint: {os.path.join(args.out, 'checkpoints')} (resume with --resume)")
+    print("sample:\n" + "\n".join("  | " + line for line in text.splitlines()[:8]))
+
+
+class DDPBaseline:
+    """Plain torch DistributedDataParallel behind the engine's interface: the compare baseline."""
+
+    def __init__(self, model: nn.Module, make_opt) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+        self.module = DistributedDataParallel(model)
+        self.optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
+
+    def __call__(self, *args: Any) -> Any:
+        return self.module(*args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)  # keep gradients allocated, as DDP's buckets do
+
+    def memory_stats(self) -> dict[str, int]:
+        params = list(self.module.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        states = zeroshard.tensor_bytes(params + grads) + zeroshard.optimizer_state_bytes(self.optimizer)
+        return {"model_states": states}
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())

@@ -1,0 +1,220 @@
+"""The rules for each DeepSpeed config key: its type, range and meaning, or a refusal by name.
+
+Every accepted key sets a field of `Config`; an unknown key (usually a typo) lists the accepted
+ones; a DeepSpeed key we have not built yet says so, so a config is never half-applied.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .sections import DTYPES, OPTIMIZERS, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
+
+# DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
+NOT_IMPLEMENTED_TOP = {
+    "scheduler", "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+    "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
+    "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "aio", "data_types",
+    "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
+}
+_NOT_IMPLEMENTED_ZERO = {
+    "offload_param", "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
+    "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
+    "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
+    "legacy_stage1", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+    "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
+    "log_trace_cache_warnings", "stage3_module_granularity_threshold",
+}
+
+def _as_int(key: str, value: Any, minimum: int) -> int:
+    # JSON configs write big sizes as 5e8: accept integral floats, refuse bools and fractions.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _as_dict(key: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"config key '{key}' must be an object, got {type(value).__name__}")
+    return value
+
+
+def _refuse_true(key: str, value: Any, why: str) -> None:
+    if _as_bool(key, value):
+        raise ConfigError(f"config key '{key}': true is not implemented yet ({why}); set it to false")
+
+
+def _zero(cfg: Settings, value: Any) -> None:
+    z = cfg.zero
+    for key, v in _as_dict("zero_optimization", value).items():
+        name = f"zero_optimization.{key}"
+        if key == "stage":
+            z.stage = _as_int(name, v, 0)
+            if z.stage > 3:
+                raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
+        elif key in ("reduce_bucket_size", "allgather_bucket_size"):
+            setattr(z, key, _as_int(name, v, 1))
+        elif key == "stage3_prefetch_bucket_size":
+            z.stage3_prefetch_bucket_size = None if v is None else _as_int(name, v, 0)
+        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+            setattr(z, key, _as_int(name, v, 0))
+        elif key == "contiguous_gradients":
+            z.contiguous_gradients = _as_bool(name, v)
+        elif key == "offload_optimizer":
+            _offload_optimizer(cfg, v)
+        elif key == "overlap_comm":
+            z.overlap_comm = _as_bool(name, v)
+        elif key in ("reduce_scatter", "allgather_partitions"):
+            if not _as_bool(name, v):
+                raise ConfigError(f"config key '{name}': false is not supported (it replaces the "
+                                  f"reduce-scatter/all-gather pair with more traffic); set it to true")
+        elif key in _NOT_IMPLEMENTED_ZERO:
+            raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not "
+                              f"implement yet; remove it")
+        else:
+            accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
+            accepted.append("offload_optimizer")
+            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+
+
+def _optimizer(cfg: Settings, value: Any) -> None:
+    section = _as_dict("optimizer", value)
+    extra = set(section) - {"type", "params"}
+    if extra:
+        raise ConfigError(f"unknown config key(s) optimizer.{sorted(extra)[0]}; accepted: type, params")
+    kind = section.get("type")
+    if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
+        raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
+                          f"(case-insensitive), got {kind!r}")
+    cfg.optimizer = OptimizerConfig(kind, dict(_as_dict("optimizer.params", section.get("params", {}))))
+
+
+_FP16_KEYS = {"loss_scale": 0.0, "initial_scale_power": 0, "loss_scale_window": 1,
+              "hysteresis": 1, "min_loss_scale": 0.0}  # key -> minimum
+
+
+def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
+    if _as_bool(f"{name}.enabled", enabled):
+        if cfg.precision not in ("fp32", name):
+            raise ConfigError("config enables both fp16 and bf16; enable one of them")
+        cfg.precision = name
+
+
+def _fp16(cfg: Settings, value: Any) -> None:
+    section = _as_dict("fp16", value)
+    scaler = ScalerConfig()
+    for key, v in section.items():
+        if key == "enabled":
+            continue
+        if key not in _FP16_KEYS:
+            _refuse(f"fp16.{key}", _NOT_IMPLEMENTED_FP16, ["enabled", *_FP16_KEYS])
+        minimum = _FP16_KEYS[key]
+        if isinstance(minimum, float):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
+                raise ConfigError(f"config key 'fp16.{key}' must be a number >= {minimum:g}, got {v!r}")
+            setattr(scaler, key, float(v))
+        else:
+            setattr(scaler, key, _as_int(f"fp16.{key}", v, minimum))
+    _enable_precision(cfg, "fp16", section.get("enabled", False))
+    if cfg.precision == "fp16":
+        cfg.scaler = scaler
+
+
+def _bf16(cfg: Settings, value: Any) -> None:
+    section = _as_dict("bf16", value)
+    for key in section:
+        if key != "enabled":
+            _refuse(f"bf16.{key}", set(), ["enabled"])
+    _enable_precision(cfg, "bf16", section.get("enabled", False))
+
+
+def _communication_dtype(cfg: Settings, value: Any) -> None:
+    if value not in DTYPES:
+        raise ConfigError(f"config key 'communication_data_type' must be one of {', '.join(DTYPES)}, "
+                          f"got {value!r}")
+    cfg.communication_data_type = value
+
+
+def _refuse(name: str, deepspeed_keys: set[str], accepted: list[str]) -> None:
+    key = name.rpartition(".")[2]
+    if key in deepspeed_keys:
+        raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not implement yet; "
+                          f"remove it")
+    raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+
+
+_NOT_IMPLEMENTED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
+
+
+def _set_int(attr: str, minimum: int) -> Callable[[Settings, Any], None]:
+    def apply(cfg: Settings, value: Any) -> None:
+        setattr(cfg, attr, _as_int(attr, value, minimum))
+    return apply
+
+
+def _clipping(cfg: Settings, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0: off), got {value!r}")
+    cfg.gradient_clipping = float(value)
+
+
+def _offload_optimizer(cfg: Settings, value: Any) -> None:
+    for key, v in _as_dict("zero_optimization.offload_optimizer", value).items():
+        name = f"zero_optimization.offload_optimizer.{key}"
+        if key == "device":
+            if v not in ("cpu", "none"):
+                hint = " (nvme is not implemented yet)" if v == "nvme" else ""
+                raise ConfigError(f"config key '{name}' must be \"cpu\" or \"none\", got {v!r}{hint}")
+            cfg.zero.offload_optimizer = v == "cpu"
+        elif key == "pin_memory":
+            cfg.zero.offload_pin_memory = _as_bool(name, v)
+        else:
+            _refuse(name, {"nvme_path", "buffer_count", "fast_init", "ratio", "pipeline_read",
+                           "pipeline_write", "pipeline"}, ["device", "pin_memory"])
+
+
+def _wall_clock(cfg: Settings, value: Any) -> None:
+    _refuse_true("wall_clock_breakdown", value, "no timers are kept")
+
+
+def _zeroshard(cfg: Settings, value: Any) -> None:
+    for key, v in _as_dict("zeroshard", value).items():
+        if key == "defer_param_gather":
+            cfg.defer_param_gather = _as_bool("zeroshard.defer_param_gather", v)
+            continue
+        if key != "unit_modules":
+            raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: defer_param_gather, "
+                              f"unit_modules")
+        if v == "auto":
+            cfg.unit_modules = None
+        elif isinstance(v, list) and v and all(isinstance(s, str) for s in v):
+            cfg.unit_modules = list(v)
+        else:
+            raise ConfigError(f"config key 'zeroshard.unit_modules' must be \"auto\" or a non-empty list "
+                              f"of module class names, got {v!r}")
+
+
+TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
+    "zero_optimization": _zero,
+    "optimizer": _optimizer,
+    "train_batch_size": _set_int("train_batch_size", 1),
+    "train_micro_batch_size_per_gpu": _set_int("train_micro_batch_size_per_gpu", 1),
+    "gradient_accumulation_steps": _set_int("gradient_accumulation_steps", 1),
+    "gradient_clipping": _clipping,
+    "steps_per_print": _set_int("steps_per_print", 0),
+    "wall_clock_breakdown": _wall_clock,
+    "fp16": _fp16,
+    "bf16": _bf16,
+    "communication_data_type": _communication_dtype,
+    "zeroshard": _zeroshard,
+}

@@ -1,0 +1,108 @@
+"""The config's sections as typed values, and the names it accepts (dtypes, optimizers).
+
+Plain data with no behaviour of its own: the rules that fill these from a dict are in keys.py, the
+loading in config/__init__.py. Nothing here imports from zeroshard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A config value zeroshard cannot honour; the message names the key and what is accepted."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop, "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam, "radam": torch.optim.RAdam, "adadelta": torch.optim.Adadelta,
+}
+
+
+@dataclass
+class ZeroConfig:
+    """`zero_optimization`: which model states are sharded, and communication granularity."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000      # max elements one gradient collective moves
+    allgather_bucket_size: int = 500_000_000   # max elements one parameter all-gather moves
+    stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
+    stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
+    stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
+    contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
+    overlap_comm: bool | None = None          # None: on at stage 3 only, as in DeepSpeed
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    offload_optimizer: bool = False            # master weights + optimizer state on the host
+    offload_pin_memory: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    """`optimizer`: a torch.optim class by DeepSpeed-style name, with its keyword arguments."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def build_class(self) -> Callable[..., torch.optim.Optimizer]:
+        return OPTIMIZERS[self.type.lower()]
+
+
+@dataclass
+class ScalerConfig:
+    """DeepSpeed's fp16 knobs. loss_scale 0 means dynamic, starting at 2**initial_scale_power."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class Settings:
+    """Every setting, typed, with the defaults; keys.py fills them, Config loads and validates them."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig | None = None
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 0                   # log a line every this many steps (0: never)
+    precision: str = "fp32"                    # "fp32", "bf16" or "fp16" (from the bf16/fp16 sections)
+    scaler: ScalerConfig | None = None         # fp16 loss scaling
+    communication_data_type: str | None = None  # gradient reduction dtype; None: the compute dtype
+    unit_modules: list[str] | None = None      # class names that become units; None: automatic
+    defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.zero.overlap_comm if self.zero.overlap_comm is not None else self.zero.stage == 3
+
+    def dtype(self, name: str | None) -> torch.dtype:
+        return DTYPES[name or self.precision]
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """DeepSpeed's rule: train_batch_size = micro batch x accumulation steps x world size."""
+        tbs, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        gas = self.gradient_accumulation_steps
+        if tbs is not None and micro is not None and tbs != micro * gas * world_size:
+            raise ConfigError(
+                f"train_batch_size={tbs} != train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={gas} x world size {world_size} "
+                f"(= {micro * gas * world_size}); "
+                f"fix one of them, or give only one of the two batch sizes")
+        if tbs is not None and micro is None and tbs % (gas * world_size):
+            raise ConfigError(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps={gas} "
+                              f"x world size {world_size}")

@@ -1,0 +1,315 @@
+"""Flat parameters: one padded, contiguous buffer per (unit, parameter group), sharded over ranks.
+
+Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the padded buffer):
+- module parameters are views of `full` while it is gathered (always, at stages 0-2);
+- `shard` is this rank's slice, in the compute dtype: an alias of `full` at stages 0-2, its own
+  tensor at stage 3;
+- `master` is what the optimizer updates (fp32; the whole buffer at stage 0, the shard otherwise). It
+  aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
+  after each step;
+- each trainable FlatParam is reduced exactly once per backward (or per step at stages 0-1), in the
+  same order on every rank, so the collectives always match across ranks.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from .comm import Comm, Pending, complete
+from .partition import Slot, build_layout
+from .policy import Buckets, StagePolicy
+from .precision import Precision
+from .states import move
+
+
+class ParamState(Enum):
+    SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch, or stages 1-2
+                             # after the step with defer_param_gather); parameters are placeholders
+    GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
+
+
+class GradState(Enum):
+    """What a trainable buffer's gradient holds since the last step."""
+
+    EMPTY = "empty"                # nothing since the last step
+    ACCUMULATING = "accumulating"  # gradients collect in `grad_full`; nothing reduced since the last step
+    REDUCED = "reduced"            # reduced and up to date: in this backward (stages 2-3) or this step (0-1)
+    HELD = "held"                  # stages 2-3: the reduced sum of earlier backwards, not yet this one's
+    ACCUMULATING_MORE = "accumulating more"  # a reduced gradient exists and this backward's gradients
+    # collect to be reduced and added: in `grad_full` at stages 2-3, in `_late` at stages 0-1
+
+
+_GRAD_MOVES = {
+    GradState.EMPTY: {GradState.ACCUMULATING, GradState.REDUCED},
+    GradState.ACCUMULATING: {GradState.REDUCED, GradState.EMPTY},
+    GradState.REDUCED: {GradState.HELD, GradState.ACCUMULATING_MORE, GradState.EMPTY},
+    GradState.HELD: {GradState.ACCUMULATING_MORE, GradState.REDUCED, GradState.EMPTY},
+    GradState.ACCUMULATING_MORE: {GradState.REDUCED, GradState.EMPTY},
+}
+_PARAM_MOVES = {
+    ParamState.SHARDED: {ParamState.GATHERING},
+    ParamState.GATHERING: {ParamState.GATHERED, ParamState.SHARDED},
+    ParamState.GATHERED: {ParamState.SHARDED, ParamState.GATHERING},
+}
+
+
+class FlatParam:
+    """The parameters of one (unit, group), laid end to end; see the module docstring."""
+
+    def __init__(self, named_params: list[tuple[tuple[str, ...], nn.Parameter]], comm: Comm,
+                 policy: StagePolicy, buckets: Buckets, precision: Precision, trainable: bool,
+                 persistent: bool = False, group: int = 0) -> None:
+        self.params = [p for _, p in named_params]
+        self.layout = build_layout([(names, tuple(p.shape)) for names, p in named_params], comm.world_size)
+        self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
+        self.trainable, self.group = trainable, group  # group: the user's parameter group (-1: frozen)
+        self.slot_of = {id(p): slot for p, slot in zip(self.params, self.layout.slots)}
+        self.range = self.layout.shard_range(comm.rank)
+        source = self._initial_values()
+        owned = source if not policy.shard_optimizer else source[self.range[0]:self.range[1]]
+        self.full = source.to(precision.param_dtype)  # the same tensor when no conversion is needed
+        self.persistent = not policy.shard_params or persistent
+        self.shard = self.full[self.range[0]:self.range[1]]
+        if policy.shard_params:
+            self.shard = self.shard.clone()
+        self.state = ParamState.GATHERED
+        self.gather_behind_forward = False  # stages 1-2 with overlap_comm: set by the engine
+        self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+        self._point_params_at_full()
+        self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
+        self.grad_shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.opt_param: nn.Parameter | None = None
+        self.grad_state = GradState.EMPTY
+        self._pending: set[int] = set()
+        self.inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
+        self._gathering: Pending = []  # an all-gather issued by prefetch()
+        self._late: torch.Tensor | None = None  # stages 0-1, ACCUMULATING_MORE: gradients after the reduction
+        if trainable:
+            self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
+        if not self.persistent:
+            self.free()
+
+    def _initial_values(self) -> torch.Tensor:
+        """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
+        first = self.params[0]
+        source = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, slot in zip(self.params, self.layout.slots):
+                source[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            with self.comm.outside_step():
+                self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
+        return source
+
+    def _init_trainable(self, owned_source: torch.Tensor) -> None:
+        p = self.precision
+        if self.policy.shard_grads:
+            dtype = p.accumulate_dtype
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.full.device)
+        else:
+            self.grad_full = torch.zeros_like(self.full)
+            self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        if p.separate_master:  # fp32 copy of the original values (not of their rounded compute copy)
+            self.master = owned_source.to(torch.float32, copy=True).to(p.master_device(self.full.device))
+            if p.pin_memory and torch.cuda.is_available():
+                self.master = self.master.pin_memory()
+        else:
+            self.master = updated
+        self.opt_param = nn.Parameter(self.master)  # shares storage: updates land in `master`
+        self._pending = set(self.slot_of)
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _point_params_at_full(self) -> None:
+        for p, slot in zip(self.params, self.layout.slots):
+            p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _set_state(self, new: ParamState) -> None:
+        self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
+
+    def _set_grad_state(self, new: GradState) -> None:
+        self.grad_state = move(self.grad_state, new, _GRAD_MOVES, "a flat parameter's gradient")
+
+    @property
+    def reduced(self) -> bool:
+        """Reduced and up to date: in this backward (stages 2-3), in this step (stages 0-1)."""
+        return self.grad_state is GradState.REDUCED
+
+    def prefetch(self) -> None:
+        """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
+        if self.state is not ParamState.SHARDED:
+            return
+        # Resize the same storage back rather than allocating a new tensor: views that autograd
+        # saved during forward keep pointing at this storage and become valid again.
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        with torch.no_grad():
+            self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+        self._set_state(ParamState.GATHERING)
+
+    def gather(self) -> None:
+        """Make `full` current and point module parameters at it (a no-op where it is: always at
+        stages 0-2, except after a step with gather_behind_forward)."""
+        if self.state is ParamState.GATHERED:
+            return
+        self.prefetch()
+        with torch.no_grad():
+            complete(self._gathering)
+        self._point_params_at_full()
+        self._set_state(ParamState.GATHERED)
+
+    def free(self) -> None:
+        """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
+        if self.persistent or self.state is ParamState.SHARDED:
+            return
+        complete(self._gathering)  # an all-gather in flight must land before its storage goes
+        for p in self.params:
+            p.data = self._placeholder
+        self.full.untyped_storage().resize_(0)
+        self._set_state(ParamState.SHARDED)
+
+    def gather_into_full(self) -> None:
+        """Refresh a `full` that is kept gathered (persistent) from the shards."""
+        with torch.no_grad():
+            self._all_gather(self.full, self.shard)
+
+    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
+        return self.comm.gather_shards(full, shard, self.layout.shard_chunks(self.buckets.gather), async_op)
+
+    def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
+        """(slot, value) of every parameter, viewing one new gathered copy (collective at stage >= 1)."""
+        full = self.gathered_copy()
+        return [(slot, full[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                for slot in self.layout.slots]
+
+    def owned_range(self) -> tuple[int, int]:
+        """Elements of the padded buffer this rank keeps a lasting copy of: all of them where the
+        buffer is replicated (a trainable one at stage 0, a frozen one below stage 3), else its shard."""
+        whole = not self.policy.shard_optimizer if self.trainable else not self.policy.shard_params
+        return (0, self.layout.padded_numel) if whole else self.range
+
+    def owned_values(self) -> torch.Tensor:
+        """The tensor covering owned_range(): the master (trainable), else the shard or the buffer."""
+        if self.trainable:
+            return self.master
+        return self.shard if self.policy.shard_params else self.full
+
+    def gathered_copy(self) -> torch.Tensor:
+        """The full padded values (from the fp32 master where there is one), in a new tensor."""
+        if self.master is not None and self.master.dtype != self.full.dtype:
+            owned = self.master.to(self.full.device)
+            if not self.policy.shard_optimizer:
+                return owned.clone()
+            out = torch.empty(self.layout.padded_numel, dtype=owned.dtype, device=owned.device)
+            self._all_gather(out, owned)
+            return out
+        if self.state is ParamState.GATHERED:
+            return self.full.detach().clone()
+        out = torch.empty(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
+        self._all_gather(out, self.shard)
+        return out
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def accumulate(self, param: nn.Parameter) -> bool:
+        """Move `param.grad` into the flat gradient buffer; True once every parameter has reported."""
+        slot = self.slot_of[id(param)]
+        if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
+            self.grad_full = torch.zeros_like(self.full)
+        after = {GradState.EMPTY: GradState.ACCUMULATING, GradState.ACCUMULATING: GradState.ACCUMULATING}
+        self._set_grad_state(after.get(self.grad_state, GradState.ACCUMULATING_MORE))
+        target = self.grad_full
+        if self.grad_state is GradState.ACCUMULATING_MORE and not self.policy.shard_grads:
+            if self._late is None:  # stages 0-1: a backward after this step's reduction
+                self._late = torch.zeros_like(self.full)
+            target = self._late
+        target[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        self._pending.discard(id(param))
+        return not self._pending
+
+    @property
+    def complete(self) -> bool:
+        """Has every parameter reported its gradient in this backward?"""
+        return self.trainable and not self._pending
+
+    def reduce_grads(self, async_op: bool = False) -> None:
+        """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
+        With async_op the collectives are only issued; finish_reduce() completes them."""
+        full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
+        if not self.policy.shard_optimizer:
+            self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
+        else:
+            accumulate = self.policy.shard_grads and self.grad_state in (GradState.HELD,
+                                                                         GradState.ACCUMULATING_MORE)
+            chunks = self.layout.shard_chunks(self.buckets.reduce)
+            self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
+                                                            accumulate, async_op)
+        if self.policy.shard_grads:
+            self.grad_full = None  # in-flight work keeps its own reference until it completes
+        self._set_grad_state(GradState.REDUCED)
+        self._pending = set(self.slot_of)
+
+    def finish_reduce(self) -> None:
+        """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
+        complete(self.inflight)
+
+    def local_grad(self) -> torch.Tensor:
+        """The reduced gradient of what this rank updates (all of it at stage 0)."""
+        return self.grad_shard if self.policy.shard_optimizer else self.grad_full
+
+    def attach_master_grad(self, factor: float) -> None:
+        """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
+        one multiply): an alias of the reduced gradient where possible, else a temporary copy."""
+        grad = self.local_grad()
+        if grad.dtype != torch.float32 or grad.device != self.master.device:
+            grad = grad.to(self.master.device, torch.float32)
+        self.opt_param.grad = grad.mul_(factor) if factor != 1.0 else grad
+
+    def write_back(self) -> None:
+        """After the optimizer step: refresh the compute-dtype parameters from the master, then
+        all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered)."""
+        self.opt_param.grad = None  # a copy, if one was made, is freed here
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        with torch.no_grad():
+            if self.master is not updated:
+                updated.copy_(self.master)
+            if not (self.policy.shard_optimizer and self.persistent):
+                return
+            if self.gather_behind_forward:  # lands while the next forward runs: see gather()
+                self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+                for p in self.params:  # stray reads fail loudly rather than see half-written values
+                    p.data = self._placeholder
+                self._set_state(ParamState.GATHERING)
+            else:
+                self._all_gather(self.full, self.shard)  # stages 1-2, and persistent stage-3 buffers
+
+    def reduce_late(self) -> None:
+        """Stages 0-1: average the gradients of a backward that came after this step's reduction
+        (zeros if none arrived here) and add them to the reduced gradient."""
+        late = self._late if self._late is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
+        if self.policy.shard_optimizer:
+            chunks = self.layout.shard_chunks(self.buckets.reduce)
+            self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
+        else:
+            self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
+            self.grad_full.add_(late)
+        self._late = None
+        self._set_grad_state(GradState.REDUCED)
+
+    def end_backward(self) -> None:
+        """Forget which parameters reported during the backward that just ended. (At stages 0-1
+        `reduced` lasts until the step: later backwards add to it through reduce_late.)"""
+        self._pending = set(self.slot_of) if self.trainable else set()
+        if self.policy.shard_grads and self.grad_state is GradState.REDUCED:
+            self._set_grad_state(GradState.HELD)
+
+    def zero_grad(self) -> None:
+        if self.grad_full is not None and not self.policy.shard_grads:
+            self.grad_full.zero_()
+        elif self.grad_shard is not None:
+            self.grad_shard.zero_()
+        self._set_grad_state(GradState.EMPTY)

@@ -1,0 +1,5 @@
+"""The paper's analytic model: its memory formulas (formulas.py) and Tables 1 and 2 (estimate.py).
+Pure arithmetic: nothing here touches torch.distributed or the engine."""
+from .formulas import BYTES_PER_PARAM, paper_model_state_bytes
+
+__all__ = ["BYTES_PER_PARAM", "paper_model_state_bytes"]

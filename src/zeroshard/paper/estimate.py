@@ -1,0 +1,229 @@
+"""The paper's analytic memory model: per-rank model-state bytes, and its Tables 1 and 2 recomputed.
+
+Ψ parameters, `nproc` GPUs split into MP-way model parallelism and DP = nproc / MP data-parallel
+ranks. Model parallelism splits every model state MP ways; ZeRO then shards what its stage covers
+DP ways (formulas.paper_model_state_bytes holds that formula; everything here goes through it).
+Precision sets bytes per parameter: fp32 Adam p = g = 4, k = 8; bf16/fp16 mixed-precision Adam
+p = g = 2, k = 12 (fp32 master weights, momentum, variance). GB = 1e9 bytes, GiB = 2**30.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+from typing import Mapping
+
+from .formulas import BYTES_PER_PARAM, paper_model_state_bytes
+
+GB, GIB = 10**9, 2**30
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states one rank holds. Invariant: device + host == params + grads + optimizer."""
+
+    params: float
+    grads: float
+    optimizer: float
+    offload_optimizer: bool = False
+
+    @property
+    def host(self) -> float:
+        return self.optimizer if self.offload_optimizer else 0.0
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optimizer - self.host
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
+                 offload_optimizer: bool = False, mp: int = 1) -> ModelStates:
+    """Per-rank model states for Ψ = `psi` parameters on `nproc` GPUs with MP-way model parallelism.
+
+    Each category is the paper's formula with the other two byte counts set to zero, so the sum is
+    exactly paper_model_state_bytes(psi / mp, nproc / mp, stage, p, g, k). Offload (ZeRO-Offload
+    style) moves the optimizer state, fp32 master weights included, to host memory; what is sharded
+    stays sharded, so the host holds the same kΨ/N per rank the device would have.
+    """
+    if psi < 0:
+        raise ValueError(f"parameter count must be >= 0, got {psi}")
+    if nproc < 1 or mp < 1 or nproc % mp:
+        raise ValueError(f"nproc ({nproc}) must be a positive multiple of mp ({mp})")
+    p, g, k = BYTES_PER_PARAM[precision]
+    slice_psi, dp = psi / mp, nproc // mp
+    return ModelStates(paper_model_state_bytes(slice_psi, dp, stage, p, 0, 0),
+                       paper_model_state_bytes(slice_psi, dp, stage, 0, g, 0),
+                       paper_model_state_bytes(slice_psi, dp, stage, 0, 0, k), offload_optimizer)
+
+
+def max_params(device_bytes: float, gpus: int, mp: int, stage: int, precision: str = "bf16") -> float:
+    """Largest Ψ whose per-GPU model states fit in `device_bytes` (Table 2): states are linear in Ψ."""
+    return device_bytes / model_states(1.0, gpus, stage, precision, mp=mp).total
+
+
+# ---- parameter counts ---------------------------------------------------------------------------
+# Analytic, so a 70B config costs nothing to count. Two decoder families cover the common configs:
+# GPT-2 (learned positions, LayerNorm and biases everywhere, 4d GELU MLP) and LLaMA (rotary
+# positions, RMSNorm, no biases, gated SwiGLU MLP, grouped-query attention).
+
+def gpt2_params(layers: int, width: int, vocab_size: int, positions: int, ffn: int | None = None,
+                tied: bool = True) -> int:
+    """Parameters of a GPT-2-style decoder; zeroshard.app.gpt.GPT has exactly this shape (ffn = 4d)."""
+    d, f = width, ffn or 4 * width
+    attention = 3 * d * d + 3 * d + d * d + d  # fused qkv and output projection, with biases
+    mlp = d * f + f + f * d + d
+    block = attention + mlp + 2 * 2 * d  # two LayerNorms, weight and bias
+    embeddings = (vocab_size + positions) * d + (0 if tied else vocab_size * d)
+    return layers * block + embeddings + 2 * d  # + final LayerNorm
+
+
+def llama_params(layers: int, width: int, vocab_size: int, ffn: int, heads: int,
+                 kv_heads: int | None = None, head_dim: int | None = None, tied: bool = False) -> int:
+    """Parameters of a LLaMA-style decoder (no biases; k and v shrink with grouped-query attention)."""
+    d = width
+    hd = head_dim or d // heads
+    attention = 2 * d * heads * hd + 2 * d * (kv_heads or heads) * hd  # q, o and k, v
+    block = attention + 3 * d * ffn + 2 * d  # gate, up, down; two RMSNorm weights
+    return layers * block + vocab_size * d * (1 if tied else 2) + d  # + final RMSNorm
+
+
+def hf_config_params(config: Mapping) -> int:
+    """Ψ of a Hugging Face `config.json`: GPT-2 family when it has `n_embd` (or model_type gpt2),
+    else LLaMA family. A missing or non-positive size raises ValueError naming the key."""
+    def key(*names: str, default: int | None = None) -> int:
+        name = next((n for n in names if config.get(n) is not None), None)
+        if name is None and default is not None:
+            return default
+        if name is None:
+            raise ValueError(f"config has none of: {', '.join(names)}")
+        value = config[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        return value
+
+    layers, width = key("n_layer", "num_hidden_layers"), key("n_embd", "hidden_size")
+    vocab = key("vocab_size")
+    if "n_embd" in config or config.get("model_type") == "gpt2":
+        return gpt2_params(layers, width, vocab, key("n_positions", "max_position_embeddings"),
+                           key("n_inner", default=4 * width), bool(config.get("tie_word_embeddings", True)))
+    heads = key("num_attention_heads")
+    return llama_params(layers, width, vocab, key("intermediate_size"), heads,
+                        key("num_key_value_heads", default=heads), key("head_dim", default=width // heads),
+                        bool(config.get("tie_word_embeddings", False)))
+
+
+def load_hf_config(path: str | os.PathLike) -> int:
+    """Ψ of the config at `path`; OSError / ValueError when it cannot be read or understood."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)  # json.JSONDecodeError is a ValueError
+    if not isinstance(config, dict):
+        raise ValueError("config.json must hold a JSON object")
+    return hf_config_params(config)
+
+
+# ---- the paper's tables ---------------------------------------------------------------------------
+# Printing conventions read off the paper (every cell is checked in tests/paper/test_estimate.py):
+# Table 1 truncates values >= 100 to integers (4187.5 -> 4187) and rounds the rest half-up, to one
+# decimal from 10 up (41.25 -> 41.3, not Python's round-half-even 41.2) and to two below (1.875 -> 1.88,
+# 0.46875 -> 0.47); trailing zeros are dropped (30, 7.5).
+# Table 2 rounds one model-parallel slice's capacity (N = 64) to 0.1B and multiplies the printed
+# figure by MP (7.6B -> 15.2B, though 2 x 7.64B = 15.28B); from 0.5T up it prints T to one decimal.
+
+TABLE1_PSI = (7.5e9, 128e9, 1e12)
+TABLE1_N = (1, 4, 16, 64, 256, 1024)
+TABLE2_MP = (1, 2, 4, 8, 16)
+TABLE2_DP, TABLE2_DEVICE_BYTES = 64, 32 * GB
+
+
+def _plain(value: Decimal) -> str:
+    """A Decimal without exponent or trailing zeros: 30.0 -> '30', 7.50 -> '7.5'."""
+    text = format(value, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def paper_gb(gb: float) -> str:
+    """Format GB as Table 1 prints it."""
+    value = Decimal(repr(gb))  # the shortest repr, so 41.25 stays a tie and rounds half-up
+    if value >= 100:
+        return _plain(value.to_integral_value(ROUND_DOWN))
+    step = Decimal("0.1") if value >= 10 else Decimal("0.01")
+    return _plain(value.quantize(step, ROUND_HALF_UP))
+
+
+def table1() -> dict[tuple[float, int, int], str]:
+    """Table 1: {(Ψ, N, stage 1-3): GB per device}, mixed precision (K = 12), as the paper prints."""
+    return {(psi, n, stage): paper_gb(model_states(psi, n, stage).total / GB)
+            for psi in TABLE1_PSI for n in TABLE1_N for stage in (1, 2, 3)}
+
+
+def paper_params(psi: float, mp: int = 1) -> str:
+    """Format a Table 2 capacity: the MP = 1 slice (Ψ / mp) rounded to 0.1B, times mp."""
+    slice_b = Decimal(repr(psi / mp / 1e9)).quantize(Decimal("0.1"), ROUND_HALF_UP)
+    billions = slice_b * mp
+    if billions >= 500:
+        return _plain((billions / 1000).quantize(Decimal("0.1"), ROUND_HALF_UP)) + "T"
+    return _plain(billions) + "B"
+
+
+def table2() -> dict[tuple[int, int], str]:
+    """Table 2 (theoretical): {(MP, stage 0-3): largest model on 32 GB GPUs}, GPUs = 64 x MP."""
+    return {(mp, stage): paper_params(max_params(TABLE2_DEVICE_BYTES, TABLE2_DP * mp, mp, stage), mp)
+            for mp in TABLE2_MP for stage in (0, 1, 2, 3)}
+
+
+def table1_text() -> str:
+    """Table 1 laid out as in the paper: a row per N, P_os / P_os+g / P_os+g+p per Ψ."""
+    cells = table1()
+    head = "N".rjust(5) + "".join(f"{'Ψ = ' + paper_params(psi):>24}" for psi in TABLE1_PSI)
+    rows = ["Per-device model-state memory (GB), P_os / P_os+g / P_os+g+p, K = 12", head]
+    for n in TABLE1_N:
+        rows.append(f"{n:>5}" + "".join(f"{' / '.join(cells[psi, n, s] for s in (1, 2, 3)):>24}"
+                                        for psi in TABLE1_PSI))
+    return "\n".join(rows)
+
+
+def table2_text() -> str:
+    """Table 2's theoretical columns: a row per MP degree."""
+    cells = table2()
+    rows = ["Largest model on 32 GB GPUs (theoretical), K = 12, DP degree = GPUs / MP = 64",
+            f"{'MP':>3} {'GPUs':>5} {'baseline':>9} {'P_os':>8} {'P_os+g':>8} {'P_os+g+p':>9}"]
+    for mp in TABLE2_MP:
+        c = [cells[mp, s] for s in (0, 1, 2, 3)]
+        rows.append(f"{mp:>3} {TABLE2_DP * mp:>5} {c[0]:>9} {c[1]:>8} {c[2]:>8} {c[3]:>9}")
+    return "\n".join(rows)
+
+
+def _units(nbytes: float) -> tuple[str, float, str, float]:
+    """Decimal and binary units that keep `nbytes` readable in a table: GB/GiB down to kB/KiB."""
+    exp = 3 if nbytes >= 1e9 else 2 if nbytes >= 1e6 else 1
+    return "kMG"[exp - 1] + "B", 1000.0**exp, "KMG"[exp - 1] + "iB", 1024.0**exp
+
+
+def report(psi: float, nproc: int, stage: int, precision: str = "bf16", offload_optimizer: bool = False,
+           mp: int = 1) -> str:
+    """What `zeroshard estimate` prints: the chosen stage by category, then stages 0-3 side by side."""
+    p, g, k = BYTES_PER_PARAM[precision]
+    where = "host (offloaded)" if offload_optimizer else "device"
+    unit, scale, bunit, bscale = _units(model_states(psi, nproc, 0, precision, mp=mp).total)
+    lines = [f"Ψ = {psi:,.0f} parameters on {nproc} GPUs (DP {nproc // mp} x MP {mp}), {precision}: "
+             f"p = {p}, g = {g}, k = {k} bytes per parameter; optimizer state on {where}",
+             f"stage {stage}, model states per rank:"]
+    s = model_states(psi, nproc, stage, precision, offload_optimizer, mp)
+    for name, value in [("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer),
+                        ("device total", s.device), ("host total", s.host), ("total", s.total)]:
+        lines.append(f"  {name:<13}{value:>20,.0f} B {value / GB:>12,.3f} GB {value / GIB:>12,.3f} GiB")
+    lines += [f"all stages, per rank ({unit}, and {bunit} for the device total):",
+              f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'device':>11} {'host':>11}"
+              f" {'device ' + bunit:>11}"]
+    for st in (0, 1, 2, 3):
+        s = model_states(psi, nproc, st, precision, offload_optimizer, mp)
+        cells = [s.params, s.grads, s.optimizer, s.device, s.host]
+        mark = "*" if st == stage else " "
+        lines.append(f"{mark}{st:>4} " + " ".join(f"{v / scale:>11,.3f}" for v in cells)
+                     + f" {s.device / bscale:>11,.3f}")
+    return "\n".join(lines)

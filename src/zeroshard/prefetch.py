@@ -1,0 +1,81 @@
+"""The order units run in, and prefetching along it (stage 3 with overlap_comm).
+
+The forward records which units ran in which order; the next forward prefetches along that record,
+and backward (which visits units in reverse) prefetches the unit that ran before the one it reached.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .units import Unit, UnitProgress
+
+
+class UnitOrder:
+    """The order units run in, and (with overlap_comm) prefetching along it.
+
+    Forward prefetches the unit(s) that followed this one in the previous forward; backward
+    prefetches those that preceded it in the current forward: the next one by default, or as many
+    as fit in stage3_prefetch_bucket_size elements, as long as the gathered total stays within
+    stage3_max_live_parameters (DeepSpeed's meanings). Every rank runs the same graph, so every
+    rank issues the same all-gathers in the same order. A wrong guess (the graph changed) only costs
+    memory: the unit stays gathered until it is used or the backward ends.
+    """
+
+    def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
+                 prefetch_numel: int | None = None, max_live_numel: int = 10**9) -> None:
+        self.enabled = prefetch
+        self.prefetch_numel = prefetch_numel  # None: exactly the next unit
+        self.max_live_numel = max_live_numel
+        self.on_gather = on_gather  # accounting: temporaries peak right after a gather
+        self.previous: list[Unit] = []  # the last complete forward
+        self.current: list[Unit] = []   # this forward, so far
+        self._backward_at = 0           # where backward has reached in `current`
+
+    def before_forward(self, unit: Unit) -> None:
+        if unit.is_root:  # a new forward starts at the root
+            self.previous, self.current = (self.current or self.previous), []
+        self.current.append(unit)
+        unit.set_progress(UnitProgress.RAN_FORWARD)
+        self._backward_at = len(self.current)
+        unit.gather()
+        self._prefetch(self.previous[len(self.current):])
+        self.on_gather()
+
+    def before_backward(self, unit: Unit) -> None:
+        unit.gather()
+        if not unit.is_root:  # the root's outputs are the model's: its hook fires first
+            self._advance_to(unit)
+        self.on_gather()
+
+    def _prefetch(self, upcoming: list[Unit]) -> None:
+        """Start gathering the units that run next: the next one, or (stage3_prefetch_bucket_size)
+        as many as fit in that many elements; never past stage3_max_live_parameters gathered."""
+        if not self.enabled or not upcoming:
+            return
+        if self.prefetch_numel is None:
+            upcoming = upcoming[:1]
+        live = sum(u.numel for u in dict.fromkeys(self.previous + self.current) if u.gathered)
+        ahead = 0  # elements of the upcoming units gathered or in flight, counted in order
+        for unit in dict.fromkeys(upcoming):
+            if self.prefetch_numel is not None and ahead >= self.prefetch_numel:
+                return  # as DeepSpeed: fetch while below the limit (the last unit may overshoot)
+            ahead += unit.numel
+            if not unit.gathered:
+                live += unit.numel
+                if live > self.max_live_numel:
+                    return
+                unit.prefetch()
+
+    def _advance_to(self, unit: Unit) -> None:
+        """Backward reached `unit`'s latest unvisited occurrence: prefetch its predecessor, and mark
+        the units that ran only after it as passed (free them if their gradients are reduced)."""
+        for i in range(self._backward_at - 1, -1, -1):
+            if self.current[i] is unit:
+                self._backward_at = i
+                self._prefetch(self.current[i - 1::-1] if i > 0 else [])
+                still_needed = set(map(id, self.current[:i + 1]))
+                for later in self.current[i + 1:]:
+                    if id(later) not in still_needed and later.progress is not UnitProgress.PASSED:
+                        later.set_progress(UnitProgress.PASSED)
+                        later.maybe_free()
+                return

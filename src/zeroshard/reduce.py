@@ -1,0 +1,133 @@
+"""When gradients are reduced: each buffer as soon as all its gradients are in, in one fixed order.
+
+(Stages 0-1 do the same with overlap_comm, on the backward that ends an accumulation cycle; a
+further backward before the step is reduced at its end and added. Without it they reduce at step().)
+
+Each trainable parameter's post-accumulate-grad hook moves its gradient into its flat buffer. At
+stages 2-3 a complete buffer is reduce-scattered at once (asynchronously with overlap_comm, at most
+two in flight so memory stays bounded) — but only in one fixed order: reverse registration, roughly
+the order backward produces gradients. Which gradients arrive can differ between ranks (an expert
+that got no tokens on one rank), so a buffer that is complete but not next waits; the order of the
+collectives never depends on the data, and the ranks' collectives always pair up. At the end of
+backward the rest are reduced in the same order, with zeros where no gradient came.
+"""
+from __future__ import annotations
+
+import weakref
+from enum import Enum
+from functools import partial
+from typing import Callable, ContextManager
+
+from torch import nn
+
+from .flat_param import FlatParam
+from .policy import StagePolicy
+from .states import move, temporarily
+from .units import Unit
+
+
+class CyclePhase(Enum):
+    """Where an accumulation cycle (the backwards between two optimizer steps) stands. Stages 2-3
+    reduce every backward as its buffers complete and stay ACCUMULATING; stages 0-1 reduce once."""
+
+    ACCUMULATING = "accumulating"  # stages 0-1: gradients accumulate locally until step() reduces them
+    REDUCING = "reducing"          # stages 0-1, overlap_comm: the backward ending the cycle reduces
+    REDUCED = "reduced"            # stages 0-1: the cycle is reduced; a later backward is added at its end
+
+
+_PHASE_MOVES = {
+    CyclePhase.ACCUMULATING: {CyclePhase.REDUCING},
+    CyclePhase.REDUCING: {CyclePhase.REDUCED, CyclePhase.ACCUMULATING},  # back: inside no_sync()
+    CyclePhase.REDUCED: {CyclePhase.ACCUMULATING},
+}
+
+
+class GradientReducer:
+    """Owns the reduction schedule of one engine's flat buffers."""
+
+    def __init__(self, units: list[Unit], policy: StagePolicy, overlap: bool,
+                 on_complete: Callable[[], None]) -> None:
+        self.units, self.policy, self.overlap = units, policy, overlap
+        self.flats = [f for u in units for f in u.flats]
+        self.order = [f for f in reversed(self.flats) if f.trainable]
+        self.on_complete = on_complete  # accounting: a full gradient is at its largest now
+        self.phase = CyclePhase.ACCUMULATING
+        self._local_only = False        # inside no_sync(): accumulate, do not reduce
+        self._next = 0                  # position in `order` of the next buffer to reduce
+        self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
+        self._unit_of = {id(f): u for u in units for f in u.flats}
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        # The hooks live on the C++ side of each parameter, where Python's GC cannot see them: they
+        # hold only a weak reference and indices, so a dropped engine is freed.
+        me = weakref.ref(self)
+        for u, unit in enumerate(self.units):
+            for f, flat in enumerate(unit.flats):
+                if flat.trainable:
+                    for p in flat.params:
+                        p.register_post_accumulate_grad_hook(partial(_grad_ready, me, u, f))
+
+    def _set_phase(self, new: CyclePhase) -> None:
+        self.phase = move(self.phase, new, _PHASE_MOVES, "the gradient reduction cycle")
+
+    def no_sync(self) -> ContextManager[None]:
+        """Backwards inside accumulate locally; the first backward after it reduces everything."""
+        return temporarily(self, "_local_only", True)
+
+    def begin_backward(self, ends_cycle: bool) -> None:
+        """Stages 0-1 with overlap_comm: the backward that ends the accumulation cycle reduces its
+        buffers as they complete, like DDP (otherwise step() reduces them)."""
+        if ends_cycle and not self.policy.shard_grads and self.phase is CyclePhase.ACCUMULATING:
+            self._set_phase(CyclePhase.REDUCING)
+
+    def end_step(self) -> None:
+        """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
+        self._set_phase(CyclePhase.ACCUMULATING)
+
+    @property
+    def _reducing_as_complete(self) -> bool:
+        return not self._local_only and (self.policy.shard_grads or self.phase is CyclePhase.REDUCING)
+
+    def on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
+        flat = self.units[unit_index].flats[flat_index]
+        if flat.accumulate(param):
+            self.on_complete()
+            if self._reducing_as_complete:
+                while self._next < len(self.order) and self.order[self._next].complete:
+                    self._reduce(self.order[self._next], async_op=self.overlap)
+                    self._next += 1
+
+    def _reduce(self, flat: FlatParam, async_op: bool) -> None:
+        flat.reduce_grads(async_op=async_op)
+        if async_op:  # at most two buffers in flight: communication overlaps the next unit's compute
+            if self._reducing is not None and self._reducing is not flat:
+                self._reducing.finish_reduce()
+            self._reducing = flat
+        if self.policy.shard_params:
+            self._unit_of[id(flat)].maybe_free()
+
+    def finish_backward(self) -> None:
+        """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order."""
+        late = self.phase is CyclePhase.REDUCED
+        if self._reducing_as_complete:
+            for flat in self.order[self._next:]:
+                self._reduce(flat, async_op=False)  # nothing left to overlap with; memory stays flat
+        self._next = 0
+        for flat in self.flats:
+            flat.finish_reduce()
+        if self.phase is CyclePhase.REDUCING:
+            self._set_phase(CyclePhase.ACCUMULATING if self._local_only else CyclePhase.REDUCED)
+        if late and not self._local_only:  # stages 0-1: a backward after this cycle's reduction
+            for flat in self.order:
+                flat.reduce_late()
+        for flat in self.flats:
+            flat.end_backward()
+        self._reducing = None
+
+
+def _grad_ready(reducer: "weakref.ref[GradientReducer]", unit_index: int, flat_index: int,
+                param: nn.Parameter) -> None:
+    live = reducer()
+    if live is not None:
+        live.on_grad(unit_index, flat_index, param)

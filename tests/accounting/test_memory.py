@@ -1,0 +1,129 @@
+"""Per-rank memory equals the paper's formula (up to padding), by the engine's counters and by an
+independent census of every live tensor."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroshard
+from helpers.accounting import adam_formula, live_tensor_bytes
+from helpers.spawn import spawn
+from helpers.margins import close
+from helpers.models import TinyGPT, loss_fn, rank_batch
+
+
+def _measure(rank: int, world_size: int) -> None:
+    x, y = rank_batch(rank, world_size)
+    for precision in ("fp32", "bf16"):
+        census = {stage: _measure_stage(stage, world_size, x, y, precision) for stage in range(4)}
+        # The census shrinks with the stage: 16Ψ > 4Ψ+12Ψ/N (fp32: 8Ψ+8Ψ/N) > ... > 16Ψ/N (N >= 2).
+        assert census[0] > census[1] > census[2] > census[3], (precision, census)
+
+
+def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
+    """Train two backwards at `stage`, check every figure, return the census (all locals then die)."""
+    torch.manual_seed(0)
+    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+    engine = zeroshard.initialize(TinyGPT(d=64, layers=4), lambda p: torch.optim.AdamW(p, lr=1e-3), config)
+    for _ in range(2):  # the second backward sees Adam's state, created by the first step
+        engine.backward(loss_fn(engine(x).float(), y))
+        if _ == 0:
+            engine.step()
+    stats = engine.memory_stats()
+    flats = engine.flats
+    pb = 4 if precision == "fp32" else 2  # bytes of a parameter or gradient element
+    psi_all, psi_train = engine.num_parameters(), engine.num_parameters(trainable_only=True)
+    formula = adam_formula(psi_all, psi_train, world_size, stage, pb)
+    what = f"{precision} stage {stage}"
+    # Padding: fewer than N elements per flat buffer, 16 bytes each at most; Adam's step counters.
+    slack = 16 * (world_size - 1) * len(flats) + 8 * len(flats)
+    assert stats["temporary"] == 0, stats  # everything gathered or full-size is freed after backward
+    close(stats["model_states"], formula, atol=slack, what=f"{what} model states against the paper")
+    # Exact expectations from the layout (what the formula's "up to padding" means).
+    shard = lambda f: f.layout.shard_numel if stage else f.layout.padded_numel  # noqa: E731
+    assert stats["params"] == pb * sum(f.layout.shard_numel if stage == 3 else f.layout.padded_numel
+                                       for f in flats)
+    assert stats["grads"] == pb * sum(f.layout.shard_numel if stage >= 2 else f.layout.padded_numel
+                                      for f in flats if f.trainable)
+    k = 8 if pb == 4 else 12  # Adam's two moments, and the fp32 master where it is a copy
+    owned = sum(shard(f) for f in flats if f.trainable)
+    assert k * owned <= stats["optimizer"] <= k * owned + 8 * len(flats), (what, stats["optimizer"], owned)
+    # Independently: every live storage in this process, against the library and the formula.
+    measured = live_tensor_bytes()
+    library = stats["model_states"] + stats["buffers"] + stats["temporary"]
+    assert measured >= library, (what, measured, library)  # the census sees everything the library counts
+    close(measured - library, 0, atol=16 * 1024, what=f"{what} census beyond memory_stats()")
+    close(measured, formula, atol=slack + stats["buffers"] + 16 * 1024,
+          what=f"{what} census against the paper")
+    return measured
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_memory_matches_paper_formula(world_size):
+    spawn(_measure, world_size)
+
+
+def _constant_buffers(rank: int, world_size: int) -> None:
+    """CB: gathered units, full-size gradients and staging buckets do not grow with the model."""
+    x, y = rank_batch(rank, world_size)
+    for stage in (2, 3):
+        seen = {}
+        for layers in (4, 16):  # 4x deeper (from past the depth where the prefetch pipeline fills)
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(d=32, layers=layers),
+                                          lambda p: torch.optim.Adam(p, lr=1e-3),
+                                          {"zero_optimization": {"stage": stage, "reduce_bucket_size": 4096,
+                                                                 "allgather_bucket_size": 4096}})
+            for _ in range(2):
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+            seen[layers] = engine.memory_stats()
+        small, large = seen[4], seen[16]
+        assert large["model_states"] > 2.5 * small["model_states"]
+        assert large["peak_temporary"] == small["peak_temporary"] > 0, (stage, small, large)
+        assert large["largest_bucket"] == small["largest_bucket"] <= 4 * 4096
+
+
+def test_temporary_buffers_do_not_grow_with_the_model():
+    spawn(_constant_buffers, 2)
+
+
+def _prefetch_limits(rank: int, world_size: int) -> None:
+    """stage3_prefetch_bucket_size and stage3_max_live_parameters bound how many units are gathered
+    at once during forward, with DeepSpeed's meanings; they never change the results."""
+    x, y = rank_batch(rank, world_size)
+    block = 4 * 32 * 32 * 2 + 4 * 32 + 32 + 2 * 32  # elements of one Block(d=32), padded to N below
+    unit = -(-block // world_size) * world_size
+    root = None
+    results = {}
+    for name, extra in {"next unit": {}, "none": {"stage3_prefetch_bucket_size": 0},
+                        "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
+                        "under a unit": {"stage3_prefetch_bucket_size": unit // 2},  # overshoots by one
+                        "3 units, live cap": {"stage3_prefetch_bucket_size": 3 * unit,
+                                              "stage3_max_live_parameters": "root + 2 units"}}.items():
+        torch.manual_seed(0)
+        model = TinyGPT(d=32, layers=8)
+        if extra.get("stage3_max_live_parameters") == "root + 2 units":
+            extra = {**extra, "stage3_max_live_parameters": root + 2 * unit}
+        engine = zeroshard.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3),
+                                      {"zero_optimization": {"stage": 3, **extra},
+                                       "zeroshard": {"unit_modules": ["Block"]}})
+        root = engine.units[0].numel
+        most = []
+        for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward
+            b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
+        losses = []
+        for _ in range(2):
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[name] = (max(most), losses)
+    assert results["none"][0] == 1 and results["next unit"][0] == 2
+    assert results["3 units"][0] == 4 and results["3 units, live cap"][0] == 2
+    assert results["under a unit"][0] == 2
+    assert len({tuple(losses) for _, losses in results.values()}) == 1  # bit-identical losses
+
+
+def test_prefetch_bucket_and_max_live_parameters():
+    spawn(_prefetch_limits, 3)

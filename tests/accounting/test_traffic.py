@@ -1,0 +1,60 @@
+"""Bytes per step: 2Ψ at stages 0-2 and at most 3Ψ at stage 3, counted by the engine and,
+independently, by wrapping torch.distributed's collectives."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import zeroshard
+from helpers import ROOT
+from helpers.spawn import spawn
+from helpers.models import TinyGPT, loss_fn, rank_batch
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from wiretap import by_kind, wiretap  # noqa: E402  (torch.distributed's Python API, every collective)
+
+
+def _traffic(rank: int, world_size: int, directory: str) -> None:
+    x, y = rank_batch(rank, world_size)
+    for stage in range(4):
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),
+                                      {"zero_optimization": {"stage": stage}})
+        for _ in range(2):
+            with wiretap() as wire:  # broadcasts, list and all-to-all collectives are seen too
+                engine.backward(loss_fn(engine(x), y))
+                engine.step()
+        step = {k: v["bytes"] for k, v in engine.comm_stats()["last_step"].items()}
+        assert {k: v for k, v in step.items() if v} == by_kind(wire), (stage, step, wire)
+        trainable = 4 * sum(f.layout.padded_numel for f in engine.flats if f.trainable)
+        everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
+        root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
+        if stage == 0:
+            assert step == {"all_reduce": 2 * trainable, "all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
+        elif stage in (1, 2):  # never an all-reduce: that would make it 3Ψ
+            assert step == {"all_reduce": 0, "all_gather": trainable, "reduce_scatter": trainable,
+                            "broadcast": 0}
+        else:  # forward and backward gathers (the root stays gathered between them) + reduce-scatter
+            assert step == {"all_reduce": 0, "all_gather": 2 * everything - root,
+                            "reduce_scatter": trainable, "broadcast": 0}
+            assert sum(step.values()) <= 3 * everything
+        total = engine.comm_stats()["total"]
+        assert total["broadcast"]["calls"] > 0  # set-up traffic is in the total, not in the step
+        with wiretap() as wire:  # an export (gathers, and broadcasts of buffers): in the total only
+            engine.full_state_dict()
+        after = engine.comm_stats()
+        grown = {k: after["total"][k]["bytes"] - v["bytes"] for k, v in total.items()}
+        assert {k: v for k, v in grown.items() if v} == by_kind(wire) and "broadcast" in by_kind(wire), stage
+        assert {k: v["bytes"] for k, v in after["last_step"].items()} == step  # the step's window is kept
+        engine.save_checkpoint(directory, tag=f"stage{stage}")  # its metadata gathers count, outside the step
+        saved = engine.comm_stats()
+        assert saved["total"]["all_gather"]["calls"] > after["total"]["all_gather"]["calls"], stage
+        assert saved["last_step"] == after["last_step"], stage
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_traffic_per_step(world_size, tmp_path):
+    spawn(_traffic, world_size, str(tmp_path))

@@ -1,0 +1,119 @@
+"""Config parsing: DeepSpeed keys accepted, everything else refused by name with the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeroshard import Config, ConfigError
+
+DEEPSPEED_STYLE = {
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0, "steps_per_print": 10, "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "bf16": {"enabled": False}, "fp16": {"enabled": False},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+                          "stage3_param_persistence_threshold": 1e4, "contiguous_gradients": True,
+                          "overlap_comm": False, "reduce_scatter": True, "allgather_partitions": True},
+}
+
+
+def test_deepspeed_style_config_is_accepted(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(DEEPSPEED_STYLE))
+    cfg = Config.load(str(path))
+    assert cfg.stage == 3 and cfg.zero.reduce_bucket_size == 500_000_000
+    assert cfg.zero.stage3_param_persistence_threshold == 10_000
+    assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params["lr"] == 3e-4
+    cfg.check_batch_sizes(world_size=4)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"zero_optimisation": {}}, ["zero_optimisation", "accepted top-level keys", "zero_optimization"]),
+    ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "0, 1, 2 or 3"]),
+    ({"zero_optimization": {"stage": "3"}}, ["zero_optimization.stage", "integer"]),
+    ({"zero_optimization": {"stage": True}}, ["zero_optimization.stage", "integer"]),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, ["reduce_bucket_size", ">= 1"]),
+    ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["reduce_bucket_size", "integer"]),
+    ({"zero_optimization": {"stage3_max_reuse_distance": 1}},
+     ["stage3_max_reuse_distance", "does not implement"]),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, ["stage3_prefetch_bucket_size", ">= 0"]),
+    ({"zero_optimization": {"stage": 3}, "zeroshard": {"defer_param_gather": True}},
+     ["defer_param_gather", "stages 1 and 2"]),
+    ({"zeroshard": {"defer_param_gather": 1}}, ["defer_param_gather", "true or false"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     ["offload_optimizer.device", "nvme is not implemented"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     ["offload_optimizer.ratio", "does not implement"]),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param", "does not implement"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+     ["offload_optimizer needs", "stage >= 1"]),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
+    ({"zero_optimization": {"reduce_scatter": False}}, ["reduce_scatter", "set it to true"]),
+    ({"zero_optimization": {"stagee": 1}}, ["zero_optimization.stagee", "accepted", "stage"]),
+    ({"zero_optimization": 3}, ["zero_optimization", "object"]),
+    ({"scheduler": {"type": "WarmupLR"}}, ["scheduler", "does not implement"]),
+    ({"optimizer": {"type": "Adafactor"}}, ["optimizer.type", "adamw"]),
+    ({"optimizer": {"type": "Adam", "param": {}}}, ["optimizer.param", "type, params"]),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["both fp16 and bf16"]),
+    ({"bf16": {"enabled": "yes"}}, ["bf16.enabled", "true or false"]),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}},
+     ["bf16.immediate_grad_update", "accepted: enabled"]),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, ["fp16.loss_scale", ">= 0"]),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, ["fp16.loss_scale_window", ">= 1"]),
+    ({"fp16": {"enabled": True, "consecutive_hysteresis": True}},
+     ["fp16.consecutive_hysteresis", "does not implement"]),
+    ({"fp16": {"enabled": True, "scale": 2}}, ["fp16.scale", "accepted", "initial_scale_power"]),
+    ({"communication_data_type": "fp8"}, ["communication_data_type", "fp32, bf16, fp16"]),
+    ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", ">= 1"]),
+    ({"gradient_clipping": -1}, ["gradient_clipping", ">= 0"]),
+    ({"train_batch_size": 0}, ["train_batch_size", ">= 1"]),
+    ({"zeroshard": {"unit_modules": []}}, ["zeroshard.unit_modules", "list"]),
+    ({"zeroshard": {"units": "auto"}}, ["zeroshard.units", "unit_modules"]),
+])
+def test_bad_values_are_named(raw, words):
+    with pytest.raises(ConfigError) as err:
+        Config.load(raw)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_precision_sections():
+    cfg = Config.load({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1},
+                       "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                       "communication_data_type": "fp32",
+                       "zero_optimization": {"stage": 1,
+                                             "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+    assert cfg.precision == "fp16" and cfg.scaler.initial_scale_power == 8 and cfg.scaler.hysteresis == 1
+    assert cfg.gradient_accumulation_steps == 4 and cfg.gradient_clipping == 1.0
+    assert cfg.zero.offload_optimizer and cfg.zero.offload_pin_memory
+    assert Config.load({"bf16": {"enabled": True}}).precision == "bf16"
+    assert Config.load({"fp16": {"enabled": False, "loss_scale": 128}}).scaler is None
+
+
+def test_batch_sizes_must_agree_with_world_size():
+    cfg = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    cfg.check_batch_sizes(4)
+    with pytest.raises(ConfigError, match="train_batch_size=16 != train_micro_batch_size_per_gpu=4"):
+        cfg.check_batch_sizes(3)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Config.load(str(tmp_path / "bad.json"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        Config.load(str(tmp_path / "list.json"))
+    with pytest.raises(ConfigError, match="dict, a path"):
+        Config.load(42)
+
+
+def test_prefetch_bucket_accepts_null_and_defer_gather_its_stages():
+    cfg = Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": None,
+                                             "stage3_max_live_parameters": 5e6}})
+    assert cfg.zero.stage3_prefetch_bucket_size is None and cfg.zero.stage3_max_live_parameters == 5_000_000
+    cfg = Config.load({"zero_optimization": {"stage": 2}, "zeroshard": {"defer_param_gather": True}})
+    assert cfg.defer_param_gather and not cfg.overlap_comm  # independent of overlap_comm

@@ -1,0 +1,93 @@
+"""The main job as a user runs it: train on 2 ranks, resume, compare, consolidate its checkpoint,
+and an architecture from a Hugging Face config.json."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def zeroshard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "zeroshard", *args], capture_output=True, text=True,
+                          timeout=600)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _train_losses(out: str) -> list[float]:
+    from zeroshard.checkpoint import read_meta, resolve
+    meta = read_meta(resolve(os.path.join(out, "checkpoints")), no_dist=True)
+    return meta["extra"]["client_state"]["losses"]
+
+
+def test_train_resume_and_consolidate(tmp_path):
+    out = str(tmp_path / "run")
+    first = zeroshard("train", "--steps", "20", "--nproc", "2", "--size", "tiny", "--out", out).stdout
+    assert "ZeRO stage 3, 2 ranks" in first and "sample:" in first and "traffic per step" in first
+    rows = [line.split() for line in first.splitlines()
+            if line.strip()[:1].isdigit() and len(line.split()) == 6]
+    assert len(rows) == 2  # one memory row per rank: measured model states beside the paper's formula
+    assert all(abs(float(row[4]) - float(row[5])) < 0.02 for row in rows)
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 10_000
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
+    losses = _train_losses(out)
+    assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
+    # Resume on 3 ranks at stage 2: it continues from step 20, it does not start again.
+    second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
+                       "--out", out, "--resume").stdout
+    assert "ZeRO stage 2, 3 ranks" in second
+    resumed = _train_losses(out)
+    assert resumed[:20] == losses and len(resumed) == 25
+    consolidated = zeroshard("consolidate", os.path.join(out, "checkpoints"), str(tmp_path / "w.pt"))
+    assert consolidated.stdout.startswith("wrote")
+
+
+def test_compare_reports_every_stage_against_ddp(tmp_path):
+    out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3",
+                    "--out", str(tmp_path)).stdout
+    rows = {line.split()[0] + (line.split()[1] if line.startswith("stage") else ""): line.split()
+            for line in out.splitlines() if line.startswith(("ddp", "stage "))}
+    assert set(rows) == {"ddp", "stage1", "stage3"}
+    assert os.path.getsize(tmp_path / "compare.png") > 10_000
+    ddp_loss, stage3_loss = float(rows["ddp"][-2]), float(rows["stage3"][-2])
+    assert abs(ddp_loss - stage3_loss) < 1e-3  # same model, same data: the same training
+    states = {k: float(v[-5 if k == "ddp" else -5]) for k, v in rows.items()}
+    assert states["stage3"] < states["stage1"] < states["ddp"]
+
+
+def test_hugging_face_architecture_from_a_local_config(tmp_path):
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = zeroshard("train", "--steps", "3", "--hf-config", str(tmp_path / "config.json"), "--seq-len", "32",
+                    "--out", str(tmp_path / "run")).stdout
+    assert "model: LlamaForCausalLM" in out and "ZeRO stage 3, 2 ranks" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--data", "/no/such/file"], "neither a file nor a directory"),
+    (["train", "--config", "/no/such.json"], "does not exist"),
+    (["train", "--hf-config", "/no/such/config.json"], "does not exist"),
+    (["train", "--seq-len", "0"], "--seq-len must be >= 1"),
+    (["compare", "--stages", "5"], "invalid choice"),
+    (["train", "--stage", "4"], "invalid choice"),
+    (["train", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--nproc", "-1"], "--nproc must be >= 1"),
+    (["bogus"], "invalid choice"),
+    (["consolidate", "/no/such/dir", "out.safetensors"], "does not exist"),
+    (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),
+])
+def test_user_errors(args, message):
+    done = zeroshard(*args, check=False)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "estimate", "consolidate"])
+def test_every_command_has_help(command):
+    assert "usage: zeroshard " + command in zeroshard(command, "--help").stdout

@@ -1,0 +1,60 @@
+"""State kept in enums with guarded transitions: a wrong move is an internal error naming both
+states, and the states follow the step as documented (docs/architecture.md)."""
+from __future__ import annotations
+
+from enum import Enum
+
+import pytest
+import torch
+
+import zeroshard
+from helpers.models import TinyGPT, loss_fn, rank_batch
+from zeroshard.engine import TrainingState
+from zeroshard.flat_param import GradState
+from zeroshard.reduce import CyclePhase
+from zeroshard.states import StateError, move
+
+pytestmark = pytest.mark.usefixtures("one_process_group")
+
+
+class Light(Enum):
+    RED = 1
+    GREEN = 2
+    AMBER = 3
+
+
+def test_a_wrong_transition_names_both_states():
+    allowed = {Light.RED: {Light.GREEN}, Light.GREEN: {Light.AMBER}}
+    assert move(Light.RED, Light.GREEN, allowed, "the light") is Light.GREEN
+    assert move(Light.AMBER, Light.AMBER, allowed, "the light") is Light.AMBER  # staying is no move
+    with pytest.raises(StateError, match="the light cannot go from RED to AMBER"):
+        move(Light.RED, Light.AMBER, allowed, "the light")
+
+
+def _states(engine) -> tuple:
+    grads = {f.grad_state for f in engine.flats if f.trainable}
+    return engine.state, engine.reducer.phase, grads
+
+
+@pytest.mark.parametrize("stage, overlap", [(0, False), (1, True), (2, False), (3, True)])
+def test_states_follow_the_step(stage, overlap):
+    x, y = rank_batch(0, 1)
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), lambda p: torch.optim.SGD(p, lr=0.1), {
+        "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage, "overlap_comm": overlap}})
+    assert _states(engine) == (TrainingState.IDLE, CyclePhase.ACCUMULATING, {GradState.EMPTY})
+    engine.backward(loss_fn(engine(x), y))  # not the boundary: stages 0-1 accumulate locally
+    held = GradState.HELD if stage >= 2 else GradState.ACCUMULATING
+    assert _states(engine) == (TrainingState.BACKWARD_DONE, CyclePhase.ACCUMULATING, {held})
+    engine.step()
+    engine.backward(loss_fn(engine(x), y))  # the boundary: reduced in backward where overlap_comm
+    if stage >= 2:
+        expected = (CyclePhase.ACCUMULATING, {GradState.HELD})
+    else:
+        expected = (CyclePhase.REDUCED, {GradState.REDUCED}) if overlap else \
+            (CyclePhase.ACCUMULATING, {GradState.ACCUMULATING})
+    assert _states(engine)[1:] == expected
+    engine.step()
+    assert _states(engine) == (TrainingState.IDLE, CyclePhase.ACCUMULATING, {GradState.EMPTY})
+    with pytest.raises(StateError, match="gradient cannot go from EMPTY to HELD"):
+        engine.flats[0]._set_grad_state(GradState.HELD)

@@ -1,0 +1,228 @@
+"""Checkpoints: resume at another world size and stage, bit-exact resume, crash safety, offline
+consolidation, and clear errors for bad checkpoints."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroshard
+from helpers.spawn import spawn
+from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_RTOL, close
+from helpers.models import TinyGPT, batches, loss_fn, reference_run
+
+GLOBAL_BATCH, FIRST, SECOND = 12, 3, 3
+
+
+def _adamw(p):
+    return torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)
+
+
+def _scheduler(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _engine(stage: int, seed: int, **config):
+    torch.manual_seed(seed)
+    return zeroshard.initialize(TinyGPT(), _adamw, {"zero_optimization": {"stage": stage}, **config},
+                                lr_scheduler=_scheduler)
+
+
+def _train(engine, rank: int, world_size: int, steps: range) -> list[float]:
+    local = GLOBAL_BATCH // world_size
+    data = batches(steps.stop, GLOBAL_BATCH)
+    losses = []
+    for step in steps:
+        x, y = data[step]
+        loss = loss_fn(engine(x[rank * local:(rank + 1) * local], use_sometimes=step % 2 == 0),
+                       y[rank * local:(rank + 1) * local])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def reference_state() -> dict[str, torch.Tensor]:
+    """One process, FIRST + SECOND steps without interruption."""
+    def model() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT()
+    return reference_run(model, _adamw, FIRST + SECOND, GLOBAL_BATCH, scheduler=_scheduler)[0].state_dict()
+
+
+def _save(rank: int, world_size: int, stage: int, directory: str) -> None:
+    engine = _engine(stage, seed=0)
+    _train(engine, rank, world_size, range(FIRST))
+    path = engine.save_checkpoint(directory, client_state={"next_step": FIRST})
+    torch.save(engine.full_state_dict(), os.path.join(directory, f"full_at_save_{rank}.pt"))
+    assert os.path.basename(path) == f"step{FIRST}"
+
+
+def _resume(rank: int, world_size: int, stage: int, directory: str) -> None:
+    engine = _engine(stage, seed=1234)  # another seed: nothing may lean on the initialisation
+    client = engine.load_checkpoint(directory)
+    assert client == {"next_step": FIRST} and engine.global_steps == FIRST
+    _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
+    final, reference = engine.full_state_dict(), reference_state()
+    for name, value in reference.items():
+        close(final[name], value, rtol=1e-5, atol=2e-6,
+              what=f"resumed at stage {stage}, N={world_size}: {name}")
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 3), (3, 1)), ((3, 2), (2, 3)), ((2, 1), (1, 0))])
+def test_resume_at_another_world_size_and_stage(tmp_path, saved, resumed):
+    spawn(_save, saved[0], saved[1], str(tmp_path))
+    spawn(_resume, resumed[0], resumed[1], str(tmp_path))
+
+
+def _bit_exact(rank: int, world_size: int, directory: str) -> None:
+    # A short loss_scale_window: the scale grows during the first run, so it must come back on load.
+    config = {"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 2}}
+    straight = _engine(3, seed=0, **config)
+    expected = _train(straight, rank, world_size, range(FIRST + SECOND))
+    expected_state = straight.full_state_dict()
+    expected_draw = torch.rand(3)  # the RNG stream continues exactly too
+    first = _engine(3, seed=0, **config)
+    losses = _train(first, rank, world_size, range(FIRST))
+    first.save_checkpoint(directory)
+    torch.manual_seed(99)
+    resumed = _engine(3, seed=7, **config)
+    resumed.load_checkpoint(directory)
+    losses += _train(resumed, rank, world_size, range(FIRST, FIRST + SECOND))
+    assert losses == expected  # bit for bit
+    assert resumed.loss_scale == straight.loss_scale == 2.0 ** 15
+    assert resumed.skipped_steps == straight.skipped_steps
+    state = resumed.full_state_dict()
+    assert all(torch.equal(state[k], v) for k, v in expected_state.items())
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG stream continues exactly too
+
+
+def test_resume_is_bit_exact_at_the_same_world_size_and_stage(tmp_path):
+    spawn(_bit_exact, 2, str(tmp_path))
+
+
+def _sgd(p):  # scale-sensitive: the 16-bit cases are compared with fp32 training
+    return torch.optim.SGD(p, lr=0.05, momentum=0.9)
+
+
+RESUME_CASES = {  # name -> (config at save, config at resume, (N, stage) saved, (N, stage) resumed)
+    "bf16, offloaded when saved": ({"bf16": {"enabled": True}, "zero_optimization": {"offload_optimizer": {
+        "device": "cpu"}}}, {"bf16": {"enabled": True}}, (2, 3), (3, 1)),
+    "fp16": ({"fp16": {"enabled": True, "initial_scale_power": 8}},) * 2 + ((3, 2), (2, 3)),
+    "fp32, offloaded": ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},) * 2
+                       + ((2, 1), (3, 3)),
+}
+
+
+def _sgd_engine(config: dict, stage: int, seed: int):
+    torch.manual_seed(seed)
+    zero = {**config.get("zero_optimization", {}), "stage": stage}
+    return zeroshard.initialize(TinyGPT(), _sgd, {**config, "zero_optimization": zero},
+                                lr_scheduler=_scheduler)
+
+
+def _save_case(rank: int, world_size: int, stage: int, directory: str, name: str) -> None:
+    engine = _sgd_engine(RESUME_CASES[name][0], stage, seed=0)
+    _train(engine, rank, world_size, range(FIRST))
+    engine.save_checkpoint(directory)
+
+
+def _resume_case(rank: int, world_size: int, stage: int, directory: str, name: str) -> None:
+    config = RESUME_CASES[name][1]
+    engine = _sgd_engine(config, stage, seed=1234)  # another seed: nothing may lean on the initialisation
+    engine.load_checkpoint(directory)
+    _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
+    final = engine.full_state_dict()
+    reference = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, FIRST + SECOND,
+                              GLOBAL_BATCH, scheduler=_scheduler)[0].state_dict()
+    exact = not ({"bf16", "fp16"} & set(config))
+    rtol, atol = (1e-5, 2e-6) if exact else (SIXTEEN_BIT_RTOL, SIXTEEN_BIT_ATOL)
+    for key, value in reference.items():
+        close(final[key], value, rtol=rtol, atol=atol,
+              what=f"{name}, resumed at stage {stage}, N={world_size}: {key}")
+
+
+@pytest.mark.parametrize("name", list(RESUME_CASES))
+def test_16bit_and_offload_checkpoints_resume_at_another_world_size(tmp_path, name):
+    _, _, saved, resumed = RESUME_CASES[name]
+    spawn(_save_case, saved[0], saved[1], str(tmp_path), name)
+    spawn(_resume_case, resumed[0], resumed[1], str(tmp_path), name)
+
+
+def _crash_during_commit(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(2, seed=0)
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory, tag="good")
+    _train(engine, rank, world_size, range(1, 2))
+    if rank == 0:  # the process is killed just as it would commit the second checkpoint
+        os.replace = lambda *args: os._exit(17)
+    engine.save_checkpoint(directory, tag="doomed")
+
+
+def _load_latest(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(2, seed=5)
+    engine.load_checkpoint(directory)
+    assert engine.global_steps == 1
+    engine.save_checkpoint(directory, tag="doomed")  # the leftovers do not get in the way
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
+    with pytest.raises(Exception):
+        spawn(_crash_during_commit, 2, str(tmp_path))
+    assert open(tmp_path / "latest").read() == "good"
+    assert not (tmp_path / "doomed").exists()
+    spawn(_load_latest, 2, str(tmp_path))
+    assert open(tmp_path / "latest").read() == "doomed"
+
+
+def test_consolidate_offline_into_a_plain_model(tmp_path):
+    spawn(_save, 3, 3, str(tmp_path))
+    weights = zeroshard.consolidate(str(tmp_path))  # no process group in this process
+    at_save = torch.load(tmp_path / "full_at_save_0.pt")
+    assert list(weights) == list(at_save)
+    assert all(torch.equal(weights[k], at_save[k]) for k in at_save)
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run([sys.executable, "-m", "zeroshard", "consolidate", str(tmp_path), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+    plain = TinyGPT()
+    plain.load_state_dict(load_file(str(out)))  # strict: every name, no zeroshard needed
+    assert torch.equal(plain.tok.weight, at_save["tok.weight"]) and plain.head.weight is plain.tok.weight
+
+
+def _bad_checkpoints(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(1, seed=0)
+    before = engine.full_state_dict()
+    cases = {
+        os.path.join(directory, "nowhere"): "does not exist",
+        os.path.join(directory, "empty"): "not a complete checkpoint",
+    }
+    for path, message in cases.items():
+        with pytest.raises(zeroshard.CheckpointError, match=message):
+            engine.load_checkpoint(path)
+    torch.manual_seed(0)
+    other = zeroshard.initialize(TinyGPT(d=20), _adamw, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(zeroshard.CheckpointError,
+                       match=r"another model: '[a-z_.]+' has shape \(16, 16\) there, \(20, 20\) here"):
+        other.load_checkpoint(os.path.join(directory, "saved"))
+    with pytest.raises(zeroshard.CheckpointError, match="cannot read checkpoint"):
+        engine.load_checkpoint(os.path.join(directory, "corrupt"))
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was modified
+
+
+def test_bad_checkpoints_are_named_and_change_nothing(tmp_path):
+    saved = tmp_path / "saved"
+    spawn(_save, 2, 1, str(saved))
+    (tmp_path / "empty").mkdir()
+    corrupt = tmp_path / "corrupt"
+    spawn(_save, 2, 1, str(corrupt))
+    for name in os.listdir(corrupt / "step3"):
+        if name.endswith(".distcp") and name.startswith("__1"):
+            with open(corrupt / "step3" / name, "r+b") as f:
+                f.truncate(100)
+    spawn(_bad_checkpoints, 2, str(tmp_path))

@@ -1,0 +1,279 @@
+"""Models and call patterns that broke earlier versions (found in review): each now trains exactly
+like the single-process reference, or fails with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zeroshard
+from helpers.spawn import spawn
+from helpers.margins import close
+from helpers.models import VOCAB, TinyGPT, batches, loss_fn, reference_run
+
+
+class Routed(nn.Module):
+    """A block whose parameters are used or not depending on the data: an expert that got no tokens."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, choice: bool) -> torch.Tensor:
+        return x + (self.a(x) if choice else self.b(x))
+
+
+class RoutedModel(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Routed(d) for _ in range(2))
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x, choice = self.emb(idx), bool(idx[0, 0] % 2)  # differs between ranks' batches
+        for block in self.blocks:
+            x = block(x, choice)
+        return self.head(x)
+
+
+def _routed_data(step: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = batches(step + 1, 2 * world_size)[step]
+    x[0::2, 0] = 2 * (x[0::2, 0] // 2)          # rank 0's first sequence starts even ...
+    x[2::4, 0] = 2 * (x[2::4, 0] // 2) + 1      # ... rank 1's odd
+    return [(x[2 * r:2 * r + 2], y[2 * r:2 * r + 2]) for r in range(world_size)]
+
+
+def _sgd(p):
+    return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def _unused_on_some_ranks(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = RoutedModel()
+    opt = _sgd(ref.parameters())
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    for step in range(3):  # the reference: mean over the ranks' losses, in one process
+        parts = _routed_data(step, world_size)
+        (sum(loss_fn(ref(x), y) for x, y in parts) / world_size).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    for stage in range(4):
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(RoutedModel(), _sgd, {"zero_optimization": {"stage": stage}})
+        for step in range(3):
+            x, y = _routed_data(step, world_size)[rank]
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        state = engine.full_state_dict()
+        for name, value in ref.state_dict().items():
+            close(state[name], value, rtol=1e-5, atol=1e-6, what=f"stage {stage} {name}")
+
+
+def test_a_parameter_unused_on_some_ranks_only():
+    spawn(_unused_on_some_ranks, 2)
+
+
+def _extra_forwards(rank: int, world_size: int) -> None:
+    """Stage 3: a no_grad forward between forward and backward (a reference model pass), and a
+    forward with grad between backward and step (logging): neither may change the training."""
+    ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 3}})
+    for step, (x, y) in enumerate(batches(3, 4)):
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
+        with torch.no_grad():
+            engine(x[mine])
+        engine.backward(loss)
+        engine(x[mine])  # grad enabled, never backpropagated
+        engine.step()
+    state = engine.full_state_dict()
+    for name, value in ref_model.state_dict().items():
+        close(state[name], value, rtol=1e-5, atol=1e-6, what=f"extra forwards: {name}")
+
+
+def test_extra_forwards_at_stage_3():
+    spawn(_extra_forwards, 2)
+
+
+class DetachedUse(nn.Module):
+    """A block that also uses its weight detached, before the differentiable use."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x @ self.lin.weight.detach().t())
+
+
+def _detached(rank: int, world_size: int) -> None:
+    results = []
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.ModuleList([DetachedUse(8), DetachedUse(8)]))
+        model.forward = lambda idx, m=model: m[1][1](m[1][0](m[0](idx)))  # noqa: E731
+        engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": stage}})
+        x, y = batches(1, 4)[0]
+        engine.backward(engine(x[2 * rank:2 * rank + 2]).pow(2).mean())
+        engine.step()
+        results.append(engine.full_state_dict())
+    for name in results[0]:
+        close(results[1][name], results[0][name], rtol=1e-5, atol=1e-7, what=f"stage 3 vs 0: {name}")
+
+
+def test_a_weight_used_detached_at_stage_3():
+    spawn(_detached, 2)
+
+
+def _resume_other_accumulation(rank: int, world_size: int, directory: str) -> None:
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 2}})
+    for x, y in batches(3, 4):
+        engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+        engine.step()
+    engine.save_checkpoint(directory)
+    torch.manual_seed(1)
+    resumed = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 2},
+                                                      "gradient_accumulation_steps": 2})
+    resumed.load_checkpoint(directory)
+    assert resumed.global_steps == 3 and not resumed.is_gradient_accumulation_boundary()
+    resumed.save_checkpoint(directory)  # at a boundary: allowed
+
+
+def test_resume_with_other_accumulation_steps(tmp_path):
+    spawn(_resume_other_accumulation, 2, str(tmp_path))
+
+
+def _lifecycle(rank: int, world_size: int, directory: str) -> None:
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+    flats = [weakref.ref(f) for f in engine.flats]
+    with pytest.raises(ValueError, match="already wrapped"):
+        zeroshard.initialize(model, _sgd)
+    del engine
+    gc.collect()
+    assert all(f() is None for f in flats)  # a dropped engine frees its buffers
+    # A model with a zero-element parameter consolidates; unfreezing before resume is named.
+    torch.manual_seed(0)
+    odd = TinyGPT()
+    odd.empty = nn.Parameter(torch.zeros(0))
+    engine = zeroshard.initialize(odd, _sgd, {"zero_optimization": {"stage": 1}})
+    engine.backward(loss_fn(engine(batches(1, 2)[0][0]), batches(1, 2)[0][1]))
+    engine.step()
+    engine.save_checkpoint(directory)
+    torch.manual_seed(0)
+    thawed = TinyGPT()
+    thawed.empty = nn.Parameter(torch.zeros(0))
+    thawed.frozen.requires_grad_(True)
+    other = zeroshard.initialize(thawed, _sgd, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(zeroshard.CheckpointError,
+                       match=r"frozen at save time are trainable now.*frozen\.bias"):
+        other.load_checkpoint(directory)
+
+
+def test_engine_lifecycle_and_checkpoint_edges(tmp_path):
+    spawn(_lifecycle, 2, str(tmp_path))
+    weights = zeroshard.consolidate(str(tmp_path))
+    assert weights["empty"].shape == (0,) and "frozen.weight" in weights
+
+
+def test_silent_mistakes_are_refused(one_process_group):
+    model = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="scheduler instance was built over another optimizer"):
+        other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
+        zeroshard.initialize(model, _sgd, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    with pytest.raises(ValueError, match="bfloat16 but the config trains in fp32"):
+        zeroshard.initialize(nn.Linear(4, 4).bfloat16(), _sgd)
+    if hasattr(torch.optim, "Adafactor"):
+        with pytest.raises(zeroshard.ConfigError, match="Adafactor updates each parameter from"):
+            zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.Adafactor(p))
+
+
+def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
+    """Stages 1-2 with defer_param_gather leave the post-step all-gather in flight until the next
+    forward: nothing that reads the parameters through a module may see a half-written buffer."""
+    for stage in (1, 2):
+        config = {"zero_optimization": {"stage": stage, "overlap_comm": True},
+                  "zeroshard": {"defer_param_gather": True}}
+        torch.manual_seed(0)
+        model = TinyGPT()
+        seen = []  # a user's forward pre-hook, registered before initialize, sees current weights
+        model.register_forward_pre_hook(lambda *_: seen.append(model.tok.weight.norm().item()))
+        engine = zeroshard.initialize(model, _sgd, config)
+        (x, y), = batches(1, 2 * world_size)
+        mine = slice(2 * rank, 2 * rank + 2)
+
+        def train_step() -> None:
+            engine.backward(loss_fn(engine(x[mine]), y[mine]))
+            engine.step()
+        train_step()
+        train_step()
+        assert min(seen) > 0
+        assert engine.module.tok.weight.numel() == 0  # a placeholder until it lands: loud, not stale
+        block = engine.module.blocks[0].state_dict()  # a submodule's state_dict waits for its unit
+        full = engine.full_state_dict()
+        assert all(torch.equal(v, full[f"blocks.0.{k}"]) for k, v in block.items()), stage
+        train_step()
+        plain = engine.module.state_dict()  # and the whole model's
+        full = engine.full_state_dict()
+        for name, value in full.items():
+            assert torch.equal(plain[name], value), (stage, name)
+        train_step()
+        engine.module.load_state_dict(plain)  # waits first: loads into whole buffers
+        train_step()
+        h = torch.ones(2, 16)
+        direct = engine.module.ln_f(h)  # a root-owned submodule called directly waits for its unit
+        engine.wait_for_parameters()
+        assert torch.equal(direct, engine.module.ln_f(h))
+        train_step()
+        engine.wait_for_parameters()
+        assert engine.module.tok.weight.numel() > 0
+        # A no_grad forward, then a checkpoint round trip, see the same weights.
+        with torch.no_grad():
+            before = engine(x[mine])
+        engine.save_checkpoint(directory + f"/s{stage}")
+        engine.load_checkpoint(directory + f"/s{stage}")
+        with torch.no_grad():
+            assert torch.equal(engine(x[mine]), before)
+
+
+def test_stages_1_2_gather_behind_the_next_forward(tmp_path):
+    spawn(_gather_behind_forward, 3, str(tmp_path))
+
+
+def _activation_checkpointing(rank: int, world_size: int) -> None:
+    """Blocks recomputed in backward (torch.utils.checkpoint, both flavours): at stage 3 the
+    recomputation runs inside backward on the gathered unit, which must not be freed by it."""
+    ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
+    for flavour in ("non-reentrant", "reentrant"):
+        for stage in (0, 3):
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(checkpointing=flavour), _sgd,
+                                          {"zero_optimization": {"stage": stage}})
+            losses = []
+            for step, (x, y) in enumerate(batches(3, 4)):
+                mine = slice(2 * rank, 2 * rank + 2)
+                loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
+                engine.backward(loss)
+                engine.step()
+                torch.distributed.all_reduce(loss := loss.detach())
+                losses.append(loss.item() / world_size)
+            what = f"activation checkpointing ({flavour}) at stage {stage}"
+            if stage == 3:  # recomputation reuses the unit gathered for backward: no extra gather
+                everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
+                root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
+                assert engine.comm_stats()["last_step"]["all_gather"]["bytes"] == 2 * everything - root, what
+            close(losses, ref_losses, rtol=1e-5, atol=1e-6, what=f"{what}: losses")
+            state = engine.full_state_dict()
+            for name, value in ref_model.state_dict().items():
+                close(state[name], value, rtol=1e-5, atol=1e-6, what=f"{what}: {name}")
+
+
+def test_activation_checkpointing_at_stage_3():
+    spawn(_activation_checkpointing, 2)
