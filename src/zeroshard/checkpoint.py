@@ -13,6 +13,7 @@ previous complete checkpoint.
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -214,17 +215,10 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
 def _overlapping(meta: dict[str, Any], name: str, start: int, length: int):
     """Saved pieces of `name` overlapping [start, start + length): (piece start, piece length)."""
     starts = sorted(meta["starts"][name])
-    ends = starts[1:] + [_numel(meta["shapes"][name][0])]
+    ends = starts[1:] + [math.prod(meta["shapes"][name][0])]
     for s, e in zip(starts, ends):
         if s < start + length and e > start:
             yield s, e - s
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _apply(meta, request, wanted, flats, optimizer) -> None:

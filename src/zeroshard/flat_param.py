@@ -99,7 +99,7 @@ class FlatParam:
         source = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, slot in zip(self.params, self.layout.slots):
-                source[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                source[slot.span].copy_(p.detach().reshape(-1))
             with self.comm.outside_step():
                 self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
         return source
@@ -125,7 +125,7 @@ class FlatParam:
     # ---- parameters -------------------------------------------------------------------------
     def _point_params_at_full(self) -> None:
         for p, slot in zip(self.params, self.layout.slots):
-            p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            p.data = self.full[slot.span].view(slot.shape)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
@@ -181,8 +181,7 @@ class FlatParam:
     def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
         """(slot, value) of every parameter, viewing one new gathered copy (collective at stage >= 1)."""
         full = self.gathered_copy()
-        return [(slot, full[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                for slot in self.layout.slots]
+        return [(slot, full[slot.span].view(slot.shape)) for slot in self.layout.slots]
 
     def owned_range(self) -> tuple[int, int]:
         """Elements of the padded buffer this rank keeps a lasting copy of: all of them where the
@@ -224,7 +223,7 @@ class FlatParam:
             if self._late is None:  # stages 0-1: a backward after this step's reduction
                 self._late = torch.zeros_like(self.full)
             target = self._late
-        target[slot.offset:slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        target[slot.span].add_(param.grad.reshape(-1))
         param.grad = None
         self._pending.discard(id(param))
         return not self._pending

@@ -6,6 +6,7 @@ owns the contiguous shard [r*S, (r+1)*S) with S = padded / N. Padding elements a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,6 +29,11 @@ class Slot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+
+    @property
+    def span(self) -> slice:
+        """Where the parameter's elements are in the flat buffer: `flat[slot.span]`."""
+        return slice(self.offset, self.offset + self.numel)
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,7 @@ def build_layout(params: Sequence[tuple[tuple[str, ...], tuple[int, ...]]], worl
     """Lay out `(names, shape)` pairs end to end in the given order."""
     slots, offset = [], 0
     for names, shape in params:
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        numel = math.prod(shape)
         slots.append(Slot(tuple(names), offset, numel, tuple(shape)))
         offset += numel
     return FlatLayout(tuple(slots), offset, world_size)
