@@ -206,7 +206,7 @@ class Engine:
         skipped = self.scaler.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
-                                           self.global_steps)
+                                           self.global_steps, self.config.zero.sub_group_size)
         if self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:
             self.lr_scheduler.step()
         for flat in self.flats:

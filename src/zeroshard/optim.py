@@ -94,7 +94,7 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
 
 
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
-                 max_norm: float, norm_is_sharded: bool, step: int) -> float | None:
+                 max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int) -> float | None:
     """Unscale, clip by the global norm, skip on overflow, update, write back. Returns the global
     gradient norm (None when neither clipping nor fp16 needed it).
 
@@ -119,9 +119,24 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     factor = 1.0 / scaler.scale
     if max_norm > 0:
         factor *= min(1.0, max_norm / (norm + 1e-6))
-    for f in trainable:
-        f.attach_master_grad(factor)
-    optimizer.step()
-    for f in trainable:
-        f.write_back()
+    for group in sub_groups(trainable, sub_group_size):  # DeepSpeed's sub_group_size: temporaries
+        for f in group:                                # (fp32 gradient copies) for one group at a time
+            f.attach_master_grad(factor)
+        optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
+        for f in group:
+            f.write_back()
     return norm
+
+
+def sub_groups(flats: list[FlatParam], size: int) -> list[list[FlatParam]]:
+    """Consecutive buffers whose owned elements add up to at most `size` (a larger buffer alone).
+    The same on every rank (shards are equal), so the write-backs' collectives pair up."""
+    groups: list[list[FlatParam]] = []
+    total = 0
+    for f in flats:
+        if not groups or total + f.master.numel() > size:
+            groups.append([])
+            total = 0
+        groups[-1].append(f)
+        total += f.master.numel()
+    return groups

@@ -24,6 +24,7 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     cfg = Config.load(str(path))
     assert cfg.stage == 3 and cfg.zero.reduce_bucket_size == 500_000_000
     assert cfg.zero.stage3_param_persistence_threshold == 10_000
+    assert Config.load({"zero_optimization": {"sub_group_size": 1e9}}).zero.sub_group_size == 10**9
     assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params["lr"] == 3e-4
     cfg.check_batch_sizes(world_size=4)
 
@@ -35,6 +36,7 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     ({"zero_optimization": {"stage": True}}, ["zero_optimization.stage", "integer"]),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, ["reduce_bucket_size", ">= 1"]),
     ({"zero_optimization": {"reduce_bucket_size": 1.5}}, ["reduce_bucket_size", "integer"]),
+    ({"zero_optimization": {"sub_group_size": 0}}, ["sub_group_size", ">= 1"]),
     ({"zero_optimization": {"stage3_max_reuse_distance": 1}},
      ["stage3_max_reuse_distance", "does not implement"]),
     ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, ["stage3_prefetch_bucket_size", ">= 0"]),

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.optim import sub_groups
 from helpers.spawn import spawn
+from helpers.accounting import live_tensor_bytes
 from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_LOSS_RTOL, SIXTEEN_BIT_RTOL, close
 from helpers.models import TinyGPT, batches, loss_fn, rank_batch, reference_run
 
@@ -239,3 +241,35 @@ def _loss_scale_schedule(rank: int, world_size: int) -> None:
 
 def test_loss_scale_schedule():
     spawn(_loss_scale_schedule, 2)
+
+
+def _step_peak(rank: int, world_size: int, stage: int, sub_group_size: int | None):
+    """Train 3 bf16 steps; return the losses, the weights, and the most bytes this run added (census)
+    when the optimizer starts a step in the last one (once per sub-group)."""
+    zero = {"stage": stage, **({"sub_group_size": sub_group_size} if sub_group_size else {})}
+    before = live_tensor_bytes()  # what the caller holds (an earlier run's weights) does not count
+    engine = zeroshard.initialize(_model(), _adamw, {"bf16": {"enabled": True}, "zero_optimization": zero})
+    peaks: list[int] = []
+    engine.optimizer.register_step_pre_hook(lambda *_: peaks.append(live_tensor_bytes()))
+    losses = _train(engine, rank, world_size, steps=3)
+    groups = sub_groups([f for f in engine.flats if f.trainable], sub_group_size or 10**9)
+    largest = max(sum(f.master.numel() for f in group) for group in groups)
+    return losses, engine.full_state_dict(), max(peaks[-len(groups):]) - before, largest, len(groups)
+
+
+def _sub_group_step(rank: int, world_size: int) -> None:
+    for stage in (1, 3):
+        losses, weights, whole_peak, owned, _ = _step_peak(rank, world_size, stage, None)
+        sub_losses, sub_weights, sub_peak, largest, count = _step_peak(rank, world_size, stage, 1000)
+        what = f"stage {stage}, sub_group_size 1000 ({count} sub-groups)"
+        assert count >= 3 and largest < owned / 2, what
+        # The same arithmetic element by element: bit-identical training.
+        assert sub_losses == losses, what
+        assert all(torch.equal(sub_weights[k], v) for k, v in weights.items()), what
+        # bf16 gradients are copied to fp32 for the step: all of them at once without sub-groups,
+        # one sub-group at a time with them (4 bytes per owned element).
+        close(whole_peak - sub_peak, 4 * (owned - largest), atol=16 * 1024, what=f"{what}: census peak")
+
+
+def test_sub_group_step():
+    spawn(_sub_group_step, 2)

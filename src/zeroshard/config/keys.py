@@ -20,7 +20,7 @@ NOT_IMPLEMENTED_TOP = {
 }
 _NOT_IMPLEMENTED_ZERO = {
     "offload_param", "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save", "sub_group_size",
+    "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
     "legacy_stage1", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
@@ -68,6 +68,8 @@ def _zero(cfg: Settings, value: Any) -> None:
             z.stage3_prefetch_bucket_size = None if v is None else _as_int(name, v, 0)
         elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
             setattr(z, key, _as_int(name, v, 0))
+        elif key == "sub_group_size":
+            z.sub_group_size = _as_int(name, v, 1)
         elif key == "contiguous_gradients":
             z.contiguous_gradients = _as_bool(name, v)
         elif key == "offload_optimizer":

@@ -34,6 +34,7 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
     stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
     stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
+    sub_group_size: int = 1_000_000_000        # the step runs over at most this many owned elements at once
     contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
     overlap_comm: bool | None = None          # None: on at stage 3 only, as in DeepSpeed
     reduce_scatter: bool = True
