@@ -1,6 +1,6 @@
 """Mutation check: plant known bugs one at a time and see whether the test suite catches each.
 
-    python benchmarks/mutations.py                 # every planted bug (about 25 min on 2 cores)
+    python benchmarks/mutations.py                 # every planted bug (about 10 min on 2 idle cores)
     python benchmarks/mutations.py --only fp16-unscale persistent-regather
     python benchmarks/mutations.py --list
 
