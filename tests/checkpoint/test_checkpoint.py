@@ -11,8 +11,8 @@ import torch
 
 import zeroshard
 from helpers.spawn import spawn
-from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_RTOL, close
-from helpers.models import TinyGPT, batches, loss_fn, reference_run
+from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_RTOL
+from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, reference_run
 
 GLOBAL_BATCH, FIRST, SECOND = 12, 3, 3
 
@@ -66,10 +66,7 @@ def _resume(rank: int, world_size: int, stage: int, directory: str) -> None:
     client = engine.load_checkpoint(directory)
     assert client == {"next_step": FIRST} and engine.global_steps == FIRST
     _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
-    final, reference = engine.full_state_dict(), reference_state()
-    for name, value in reference.items():
-        close(final[name], value, rtol=1e-5, atol=2e-6,
-              what=f"resumed at stage {stage}, N={world_size}: {name}")
+    assert_weights_match(engine, reference_state(), 1e-5, 2e-6, f"resumed at stage {stage}, N={world_size}:")
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, 3), (3, 1)), ((3, 2), (2, 3)), ((2, 1), (1, 0))])
@@ -135,14 +132,11 @@ def _resume_case(rank: int, world_size: int, stage: int, directory: str, name: s
     engine = _sgd_engine(config, stage, seed=1234)  # another seed: nothing may lean on the initialisation
     engine.load_checkpoint(directory)
     _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
-    final = engine.full_state_dict()
     reference = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, FIRST + SECOND,
                               GLOBAL_BATCH, scheduler=_scheduler)[0].state_dict()
     exact = not ({"bf16", "fp16"} & set(config))
     rtol, atol = (1e-5, 2e-6) if exact else (SIXTEEN_BIT_RTOL, SIXTEEN_BIT_ATOL)
-    for key, value in reference.items():
-        close(final[key], value, rtol=rtol, atol=atol,
-              what=f"{name}, resumed at stage {stage}, N={world_size}: {key}")
+    assert_weights_match(engine, reference, rtol, atol, f"{name}, resumed at stage {stage}, N={world_size}:")
 
 
 @pytest.mark.parametrize("name", list(RESUME_CASES))

@@ -133,8 +133,14 @@ def assert_matches_reference(engine, losses, ref_model, ref_losses, what: str, r
                              atol: float = 2e-6) -> None:
     """fp32 defaults: the same arithmetic summed in another order (1e-7 measured, 1e-5 allowed)."""
     close(losses, ref_losses, rtol=rtol, atol=atol, what=f"{what} losses")
+    assert_weights_match(engine, ref_model.state_dict(), rtol, atol, what)
+
+
+def assert_weights_match(engine, reference: dict[str, torch.Tensor], rtol: float, atol: float,
+                         what: str) -> None:
+    """The engine's full_state_dict() has the reference's names, in its order, and values within
+    atol + rtol * |reference| (collective: every rank calls it)."""
     full = engine.full_state_dict()
-    ref = ref_model.state_dict()
-    assert list(full) == list(ref), what
-    for name, value in ref.items():
+    assert list(full) == list(reference), what
+    for name, value in reference.items():
         close(full[name], value, rtol=rtol, atol=atol, what=f"{what} {name}")

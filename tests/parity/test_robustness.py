@@ -9,7 +9,7 @@ from torch import nn
 import zeroshard
 from helpers.spawn import spawn
 from helpers.margins import close
-from helpers.models import VOCAB, TinyGPT, batches, loss_fn, reference_run
+from helpers.models import VOCAB, TinyGPT, assert_weights_match, batches, loss_fn, reference_run
 
 
 class Routed(nn.Module):
@@ -66,9 +66,7 @@ def _unused_on_some_ranks(rank: int, world_size: int) -> None:
             x, y = _routed_data(step, world_size)[rank]
             engine.backward(loss_fn(engine(x), y))
             engine.step()
-        state = engine.full_state_dict()
-        for name, value in ref.state_dict().items():
-            close(state[name], value, rtol=1e-5, atol=1e-6, what=f"stage {stage} {name}")
+        assert_weights_match(engine, ref.state_dict(), 1e-5, 1e-6, f"stage {stage}")
 
 
 def test_a_parameter_unused_on_some_ranks_only():
@@ -89,9 +87,7 @@ def _extra_forwards(rank: int, world_size: int) -> None:
         engine.backward(loss)
         engine(x[mine])  # grad enabled, never backpropagated
         engine.step()
-    state = engine.full_state_dict()
-    for name, value in ref_model.state_dict().items():
-        close(state[name], value, rtol=1e-5, atol=1e-6, what=f"extra forwards: {name}")
+    assert_weights_match(engine, ref_model.state_dict(), 1e-5, 1e-6, "extra forwards:")
 
 
 def test_extra_forwards_at_stage_3():
@@ -270,9 +266,7 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
                 root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
                 assert engine.comm_stats()["last_step"]["all_gather"]["bytes"] == 2 * everything - root, what
             close(losses, ref_losses, rtol=1e-5, atol=1e-6, what=f"{what}: losses")
-            state = engine.full_state_dict()
-            for name, value in ref_model.state_dict().items():
-                close(state[name], value, rtol=1e-5, atol=1e-6, what=f"{what}: {name}")
+            assert_weights_match(engine, ref_model.state_dict(), 1e-5, 1e-6, f"{what}:")
 
 
 def test_activation_checkpointing_at_stage_3():

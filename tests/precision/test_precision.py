@@ -12,7 +12,7 @@ from zeroshard.optim import sub_groups
 from helpers.spawn import spawn
 from helpers.accounting import live_tensor_bytes
 from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_LOSS_RTOL, SIXTEEN_BIT_RTOL, close
-from helpers.models import TinyGPT, batches, loss_fn, rank_batch, reference_run
+from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, rank_batch, reference_run
 
 STEPS, GLOBAL_BATCH = 6, 12
 # Tolerances, each from the largest error measured here over stages 0-3 at N = 2 and 3, with the
@@ -113,9 +113,7 @@ def _sixteen_bit_sgd(rank: int, world_size: int) -> None:
             losses = _train(engine, rank, world_size)
             what = f"{name} stage {stage}"
             close(losses, ref_losses, rtol=SIXTEEN_BIT_LOSS_RTOL, what=f"{what} losses")
-            full = engine.full_state_dict()
-            for key, value in ref_model.state_dict().items():
-                close(full[key], value, rtol=SIXTEEN_BIT_RTOL, atol=SIXTEEN_BIT_ATOL, what=f"{what} {key}")
+            assert_weights_match(engine, ref_model.state_dict(), SIXTEEN_BIT_RTOL, SIXTEEN_BIT_ATOL, what)
             assert engine.skipped_steps == 0
             _check_gradient_bytes(engine, stage, 2, what)
 
@@ -144,9 +142,7 @@ def _bf16_accumulation(rank: int, world_size: int) -> None:
                         on_last_backward=lambda e: seen.update(e.memory_stats()))
         what = f"bf16, 2 micro-batches, stage {stage}"
         close(losses, ref_losses, rtol=SIXTEEN_BIT_LOSS_RTOL, what=f"{what} losses")
-        full = engine.full_state_dict()
-        for key, value in ref_model.state_dict().items():
-            close(full[key], value, rtol=SIXTEEN_BIT_RTOL, atol=SIXTEEN_BIT_ATOL, what=f"{what} {key}")
+        assert_weights_match(engine, ref_model.state_dict(), SIXTEEN_BIT_RTOL, SIXTEEN_BIT_ATOL, what)
         # Stages 2-3 add each micro-batch's reduced gradient into an fp32 shard (4 bytes), so that
         # many small bf16 additions lose nothing; stages 0-1 accumulate the full bf16 buffer.
         shards = sum(f.layout.shard_numel if stage >= 2 else f.layout.padded_numel
