@@ -49,6 +49,15 @@ _GRAD_MOVES = {
     GradState.HELD: {GradState.ACCUMULATING_MORE, GradState.REDUCED, GradState.EMPTY},
     GradState.ACCUMULATING_MORE: {GradState.REDUCED, GradState.EMPTY},
 }
+# Where a gradient arriving in backward takes a buffer: a first one starts accumulating; after a
+# reduction (REDUCED, or HELD from an earlier backward) it collects to be reduced and added.
+_AFTER_A_GRADIENT = {
+    GradState.EMPTY: GradState.ACCUMULATING,
+    GradState.ACCUMULATING: GradState.ACCUMULATING,
+    GradState.REDUCED: GradState.ACCUMULATING_MORE,
+    GradState.HELD: GradState.ACCUMULATING_MORE,
+    GradState.ACCUMULATING_MORE: GradState.ACCUMULATING_MORE,
+}
 _PARAM_MOVES = {
     ParamState.SHARDED: {ParamState.GATHERING},
     ParamState.GATHERING: {ParamState.GATHERED, ParamState.SHARDED},
@@ -76,7 +85,7 @@ class FlatParam:
         if policy.shard_params:
             self.shard = self.shard.clone()
         self.state = ParamState.GATHERED
-        self.gather_behind_forward = False  # stages 1-2 with overlap_comm: set by the engine
+        self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
         self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
         self._point_params_at_full()
         self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
@@ -216,8 +225,7 @@ class FlatParam:
         slot = self.slot_of[id(param)]
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
             self.grad_full = torch.zeros_like(self.full)
-        after = {GradState.EMPTY: GradState.ACCUMULATING, GradState.ACCUMULATING: GradState.ACCUMULATING}
-        self._set_grad_state(after.get(self.grad_state, GradState.ACCUMULATING_MORE))
+        self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])
         target = self.grad_full
         if self.grad_state is GradState.ACCUMULATING_MORE and not self.policy.shard_grads:
             if self._late is None:  # stages 0-1: a backward after this step's reduction
