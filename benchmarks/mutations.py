@@ -87,8 +87,10 @@ MUTATIONS = [
              "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
              "the clipping coefficient is computed but not applied"),
     Mutation("sub-group-steps-all", "src/zeroshard/optim.py",
-             "        for f in group:                                # (fp32 gradient copies) for one group",
-             "        for f in trainable:                            # (fp32 gradient copies) for one group",
+             "            for f in group:                                "
+             "# (fp32 gradient copies) for one group",
+             "            for f in trainable:                            "
+             "# (fp32 gradient copies) for one group",
              (f"{R}::test_sub_group_step",), "every sub-group's optimizer step updates every buffer again"),
     Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
@@ -141,6 +143,15 @@ MUTATIONS = [
              "        if torch._C._current_graph_task_id() != -1:", "        if False:",
              (f"{ROB}::test_activation_checkpointing_at_stage_3",),
              "a recomputation inside backward (activation checkpointing) frees its unit like a forward"),
+    Mutation("post-step-gather-not-awaited", "src/zeroshard/flat_param.py",
+             "        if self.state is ParamState.GATHERING and not self.gather_behind_forward:\n"
+             "            self.gather()\n", "        pass\n", (PARITY2,),
+             "the post-step all-gather (stages 1-2) is issued but the step never waits for it"),
+    Mutation("stage3-keeps-units-after-forward", "src/zeroshard/prefetch.py",
+             "        return self.enabled and self.prefetch_numel != 0 and len(self.current) == "
+             "len(self.previous) \\\n            and self.previous[-1] is unit",
+             "        return self.enabled", ("tests/accounting/test_traffic.py",),
+             "stage 3 keeps every unit gathered from forward to backward (memory that never shrinks)"),
 ]
 
 

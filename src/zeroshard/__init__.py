@@ -13,9 +13,10 @@ from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
 from .checks import ModelMismatchError
-from .comm import Comm, ensure_process_group, gather_objects, mean_over_ranks, rank_and_world_size
+from .comm import Comm, gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
 from .construct import init, is_deferred, materialize
+from .devices import ensure_process_group
 from .engine import Engine
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec

@@ -53,8 +53,11 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an interrupted save
     comm.barrier()
     state: dict[str, Any] = {f"rng/{comm.rank}": torch.get_rng_state()}
+    if comm.device.type == "cuda":  # dropout on the GPU draws from the GPU's generator
+        state[f"rng_cuda/{comm.rank}"] = torch.cuda.get_rng_state(comm.device)
     elementwise: set[str] = set()
     scalars: dict[int, dict[str, Any]] = {}
+    on_device: dict[int, list[str]] = {}  # scalars kept beside the parameters (fused/capturable Adam)
     for flat in flats:
         owned = slice(*flat.range)  # each rank writes only its own shard, at every stage
         values = flat.owned_values().detach()
@@ -73,9 +76,14 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     raise CheckpointError(f"optimizer state '{key}' is neither elementwise nor a scalar; "
                                           f"it cannot be saved shard by shard")
+                if isinstance(value, torch.Tensor):  # saved on the CPU: loadable without a GPU
+                    if value.device.type != "cpu":
+                        on_device.setdefault(flat.group, []).append(key)
+                    value = value.detach().cpu()
                 scalars.setdefault(flat.group, {})[key] = value
     pieces = comm.all_gather_objects(sorted(k for k in state if k.startswith("param/")))
     if comm.rank == 0:
+        extra = {**extra, "scalars_on_device": on_device}
         state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
     dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
@@ -188,8 +196,11 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     meta = read_meta(path, comm.group)
     check_compatible(meta, flats, optimizer)
     request: dict[str, Any] = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in buffers.items()}
-    if f"rng/{comm.rank}" in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if f"rng/{comm.rank}" in saved_keys:
         request[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
+    if f"rng_cuda/{comm.rank}" in saved_keys and comm.device.type == "cuda":
+        request[f"rng_cuda/{comm.rank}"] = torch.empty_like(torch.cuda.get_rng_state(comm.device))
     wanted = []  # (flat, name, piece start, piece length, [a, b) in the buffer)
     for flat in flats:
         lo, hi = flat.owned_range()
@@ -209,6 +220,8 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
             b.copy_(request[f"buffer/{name}"])
     if f"rng/{comm.rank}" in request:
         torch.set_rng_state(request[f"rng/{comm.rank}"])
+    if f"rng_cuda/{comm.rank}" in request:
+        torch.cuda.set_rng_state(request[f"rng_cuda/{comm.rank}"], comm.device)
     return meta["extra"]
 
 
@@ -225,8 +238,11 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
     for flat in flats:
         if flat.trainable:
             optimizer.state[flat.opt_param] = {k: torch.zeros_like(flat.master) for k in meta["elementwise"]}
+            on_device = meta["extra"].get("scalars_on_device", {}).get(flat.group, [])
             for key, value in meta["scalars"].get(flat.group, {}).items():
                 copy = value.clone() if isinstance(value, torch.Tensor) else value
+                if key in on_device:  # where the optimizer keeps it (fused Adam: beside the params)
+                    copy = copy.to(flat.master.device)
                 optimizer.state[flat.opt_param][key] = copy
             if not optimizer.state[flat.opt_param]:
                 del optimizer.state[flat.opt_param]

@@ -13,16 +13,15 @@ per-step window so that step figures stay comparable with the formulas.
 """
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import Enum
 from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 
+from .devices import group_device
 from .states import temporarily
 
 
@@ -68,24 +67,6 @@ def _fresh() -> dict[Kind, Counter]:
     return {kind: Counter() for kind in Kind}
 
 
-def ensure_process_group(timeout_s: float = 600.0) -> None:
-    """Start the default process group if none exists: from torchrun's variables, else world size 1.
-
-    NCCL when CUDA is present, gloo otherwise. The timeout turns a rank that never arrives into an
-    error instead of a hang.
-    """
-    if dist.is_initialized():
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-
-
 class Comm:
     """Collectives over one process group, counted by kind. Sums are divided by callers, not here."""
 
@@ -93,8 +74,7 @@ class Comm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = group_device(group)
         self.total = _fresh()
         self.window = _fresh()
         self.largest_bucket = 0  # bytes of the largest staging buffer built (constant: the CB claim)

@@ -23,6 +23,7 @@ from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
+from .devices import check_placement, move_buffers
 from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
@@ -56,16 +57,18 @@ class Engine:
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
                  param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
         check_module_type(module)
+        check_placement(module, comm.device)  # local and alike on every rank: before any collective
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
         self.module, self.config, self.comm = module, config, comm
-        original_dtypes = {id(p): p.dtype for p in module.parameters()}
+        originals = {id(p): (p.device, p.dtype) for p in module.parameters()}
         self.flats: list[FlatParam] = []  # filled as buffers are built, so a failure can undo them
+        self._moved_buffers: list[tuple[nn.Module, str, torch.Tensor]] = []  # likewise
         try:
             self._build(optimizer, param_groups, lr_scheduler)
         except BaseException:
-            self._restore_module(original_dtypes)  # a failed initialize leaves the model as it was
+            self._restore_module(originals)  # a failed initialize leaves the model as it was
             raise
         module._zeroshard_wrapped = True
 
@@ -82,6 +85,8 @@ class Engine:
                             "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
                             "not over engine.optimizer, and would change nothing")
         materialize_(deferred_non_parameters(module), module)  # buffers are replicated: all at once
+        # Parameters move to the group's device unit by unit, as their flat buffers are built.
+        self._moved_buffers = move_buffers(module, comm.device)
         self.units = self._build_units(group_of)
         self._state_dict_keys = list(module.state_dict().keys())
         with torch.no_grad(), comm.outside_step():
@@ -118,13 +123,15 @@ class Engine:
             for flat in self.flats:
                 flat.gather()
 
-    def _restore_module(self, original_dtypes: dict[int, torch.dtype]) -> None:
+    def _restore_module(self, originals: dict[int, tuple[torch.device, torch.dtype]]) -> None:
         """Give every parameter its own tensor again, with its values (from the master where there is
-        one) and original dtype. Collective at stage 3, where every rank fails alike."""
+        one), original device and dtype. Collective at stage 3, where every rank fails alike."""
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
                 for p, (_, value) in zip(flat.params, flat.gathered_params()):
-                    p.data = value.to(original_dtypes[id(p)], copy=True)
+                    p.data = value.to(*originals[id(p)], copy=True)
+        for m, name, buffer in self._moved_buffers:
+            m._buffers[name] = buffer
 
     def _build_units(self, group_of: dict[int, int]) -> list[Unit]:
         zero = self.config.zero
@@ -141,6 +148,11 @@ class Engine:
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters and buffers live (the process group's device): put inputs here."""
+        return self.comm.device
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -258,6 +270,8 @@ class Engine:
                     flat.write_back()
                 elif flat.policy.shard_params and flat.persistent:
                     flat.gather_into_full()
+            for flat in self.flats:
+                flat.finish_write_back()
         # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
         self.global_steps = extra["global_steps"]
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps

@@ -26,8 +26,8 @@ from .states import move
 
 class ParamState(Enum):
     SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
-    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch, or stages 1-2
-                             # after the step with defer_param_gather); parameters are placeholders
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch; after the step until
+                             # it ends, or the next forward with defer_param_gather); placeholders
     GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
 
 
@@ -104,8 +104,8 @@ class FlatParam:
 
     def _initial_values(self) -> torch.Tensor:
         """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
-        first = self.params[0]
-        source = torch.zeros(self.layout.padded_numel, dtype=first.dtype, device=first.device)
+        # On the group's device: a model built on the CPU moves here one buffer at a time.
+        source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.comm.device)
         with torch.no_grad():
             for p, slot in zip(self.params, self.layout.slots):
                 source[slot.span].copy_(p.detach().reshape(-1))
@@ -124,7 +124,7 @@ class FlatParam:
         updated = self.shard if self.policy.shard_optimizer else self.full
         if p.separate_master:  # fp32 copy of the original values (not of their rounded compute copy)
             self.master = owned_source.to(torch.float32, copy=True).to(p.master_device(self.full.device))
-            if p.pin_memory and torch.cuda.is_available():
+            if p.pin_memory and self.full.device.type == "cuda":  # pinning only speeds GPU copies
                 self.master = self.master.pin_memory()
         else:
             self.master = updated
@@ -277,7 +277,11 @@ class FlatParam:
 
     def write_back(self) -> None:
         """After the optimizer step: refresh the compute-dtype parameters from the master, then
-        all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered)."""
+        issue the all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered).
+        gather() completes it: the step does, once every buffer's is issued, so they pipeline and
+        overlap the next sub-group's update; with gather_behind_forward, the next forward does.
+        (A gather staged through several buckets completes here, unless deferred: in flight
+        together, their buckets would add up to a second copy of the parameters.)"""
         self.opt_param.grad = None  # a copy, if one was made, is freed here
         updated = self.shard if self.policy.shard_optimizer else self.full
         with torch.no_grad():
@@ -285,13 +289,19 @@ class FlatParam:
                 updated.copy_(self.master)
             if not (self.policy.shard_optimizer and self.persistent):
                 return
-            if self.gather_behind_forward:  # lands while the next forward runs: see gather()
-                self._gathering = self._all_gather(self.full, self.shard, async_op=True)
-                for p in self.params:  # stray reads fail loudly rather than see half-written values
-                    p.data = self._placeholder
-                self._set_state(ParamState.GATHERING)
-            else:
-                self._all_gather(self.full, self.shard)  # stages 1-2, and persistent stage-3 buffers
+            chunks = self.layout.shard_chunks(self.buckets.gather)
+            if len(chunks) > 1 and not self.gather_behind_forward:
+                self._all_gather(self.full, self.shard)  # staged: one constant-size bucket at a time
+                return
+            self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+        for p in self.params:  # stray reads fail loudly rather than see half-written values
+            p.data = self._placeholder
+        self._set_state(ParamState.GATHERING)
+
+    def finish_write_back(self) -> None:
+        """Complete the all-gather write_back() issued, unless the next forward is to."""
+        if self.state is ParamState.GATHERING and not self.gather_behind_forward:
+            self.gather()
 
     def reduce_late(self) -> None:
         """Stages 0-1: average the gradients of a backward that came after this step's reduction

@@ -119,12 +119,16 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     factor = 1.0 / scaler.scale
     if max_norm > 0:
         factor *= min(1.0, max_norm / (norm + 1e-6))
-    for group in sub_groups(trainable, sub_group_size):  # DeepSpeed's sub_group_size: temporaries
-        for f in group:                                # (fp32 gradient copies) for one group at a time
-            f.attach_master_grad(factor)
-        optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
-        for f in group:
-            f.write_back()
+    try:
+        for group in sub_groups(trainable, sub_group_size):  # DeepSpeed's sub_group_size: temporaries
+            for f in group:                                # (fp32 gradient copies) for one group at a time
+                f.attach_master_grad(factor)
+            optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
+            for f in group:
+                f.write_back()  # issues the post-step all-gather (stages 1-2): in flight while we go on
+    finally:  # even if a step failed (out of memory): no parameter is left a placeholder
+        for f in trainable:
+            f.finish_write_back()
     return norm
 
 

@@ -41,6 +41,14 @@ class UnitOrder:
         self._prefetch(self.previous[len(self.current):])
         self.on_gather()
 
+    def backward_starts_with(self, unit: Unit) -> bool:
+        """Is `unit` the last to run forward, as in the previous forward? Backward then needs it
+        first, so it is not freed in between (one all-gather less per step; a wrong guess keeps it
+        gathered until its gradients are reduced). Only with prefetch (overlap_comm), whose memory
+        bound already counts the unit that comes next."""
+        return self.enabled and self.prefetch_numel != 0 and len(self.current) == len(self.previous) \
+            and self.previous[-1] is unit
+
     def before_backward(self, unit: Unit) -> None:
         unit.gather()
         if not unit.is_root:  # the root's outputs are the model's: its hook fires first

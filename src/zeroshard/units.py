@@ -128,6 +128,8 @@ class UnitVisitor(Protocol):
 
     def before_backward(self, unit: "Unit") -> None: ...
 
+    def backward_starts_with(self, unit: "Unit") -> bool: ...
+
 
 class Unit:
     """A module and its flat parameters; at stage 3 it is gathered before use and freed after."""
@@ -205,8 +207,8 @@ class Unit:
         if not torch.is_grad_enabled():
             self.free()  # no backward follows this forward (an earlier one re-gathers on its own)
             return
-        if not self.is_root:
-            self.free()
+        if not self.is_root and not order.backward_starts_with(self):
+            self.free()  # (the unit backward needs first stays: freeing it would gather it right back)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(

@@ -37,8 +37,10 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
         elif stage in (1, 2):  # never an all-reduce: that would make it 3Ψ
             assert step == {"all_reduce": 0, "all_gather": trainable, "reduce_scatter": trainable,
                             "broadcast": 0}
-        else:  # forward and backward gathers (the root stays gathered between them) + reduce-scatter
-            assert step == {"all_reduce": 0, "all_gather": 2 * everything - root,
+        else:  # forward and backward gathers + reduce-scatter; two units stay gathered from forward
+            # to backward: the root, and the last block to run forward (backward starts with it)
+            last = 4 * sum(f.layout.padded_numel for f in engine.units[-1].flats)
+            assert step == {"all_reduce": 0, "all_gather": 2 * everything - root - last,
                             "reduce_scatter": trainable, "broadcast": 0}
             assert sum(step.values()) <= 3 * everything
         total = engine.comm_stats()["total"]

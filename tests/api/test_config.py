@@ -117,5 +117,12 @@ def test_prefetch_bucket_accepts_null_and_defer_gather_its_stages():
     cfg = Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": None,
                                              "stage3_max_live_parameters": 5e6}})
     assert cfg.zero.stage3_prefetch_bucket_size is None and cfg.zero.stage3_max_live_parameters == 5_000_000
-    cfg = Config.load({"zero_optimization": {"stage": 2}, "zeroshard": {"defer_param_gather": True}})
+    cfg = Config.load({"zero_optimization": {"stage": 2, "overlap_comm": False},
+                       "zeroshard": {"defer_param_gather": True}})
     assert cfg.defer_param_gather and not cfg.overlap_comm  # independent of overlap_comm
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overlap_comm_is_on_by_default_and_false_is_honoured(stage):
+    assert Config.load({"zero_optimization": {"stage": stage}}).overlap_comm
+    assert not Config.load({"zero_optimization": {"stage": stage, "overlap_comm": False}}).overlap_comm

@@ -11,6 +11,9 @@ import pytest
 
 
 def zeroshard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """The command as a user types it; training runs on the CPU (gloo) here, GPU or not."""
+    if args[0] in ("train", "compare") and "--help" not in args:
+        args = (args[0], "--device", "cpu", *args[1:])
     done = subprocess.run([sys.executable, "-m", "zeroshard", *args], capture_output=True, text=True,
                           timeout=600)
     if check:
@@ -47,11 +50,18 @@ def test_train_resume_and_consolidate(tmp_path):
 
 
 def test_compare_reports_every_stage_against_ddp(tmp_path):
-    out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3",
+    out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3", "--rounds", "2",
                     "--out", str(tmp_path)).stdout
+    order = [line.split(": ")[1] for line in out.splitlines() if line.startswith("round ")]
+    assert order == ["ddp ...", "stage 1 ...", "stage 3 ..."] * 2  # interleaved rounds
     rows = {line.split()[0] + (line.split()[1] if line.startswith("stage") else ""): line.split()
             for line in out.splitlines() if line.startswith(("ddp", "stage "))}
     assert set(rows) == {"ddp", "stage1", "stage3"}
+    assert rows["ddp"][2] == "1.00" and "in each of 2 interleaved round(s)" in out
+    each = {r.split()[0]: [float(t) for t in r.split()[1].split("/")]
+            for r in out.split("round(s): ")[1].splitlines()[0].split("; ") if r.startswith("ddp")}
+    assert float(rows["ddp"][1]) == pytest.approx(sorted(each["ddp"])[0] / 2 + sorted(each["ddp"])[1] / 2,
+                                                  abs=0.06)  # the median over rounds
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
     ddp_loss, stage3_loss = float(rows["ddp"][-2]), float(rows["stage3"][-2])
     assert abs(ddp_loss - stage3_loss) < 1e-3  # same model, same data: the same training

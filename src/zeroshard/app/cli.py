@@ -9,7 +9,9 @@ from .gpt import SIZES
 
 
 def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
-    p.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="cuda: one rank per GPU over NCCL; cpu: gloo ranks; auto: cuda when available")
+    p.add_argument("--nproc", type=int, help="local ranks (default: every GPU on cuda, 2 on cpu)")
     p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps in total (default {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
@@ -46,6 +48,9 @@ def _compare_parser(sub: argparse._SubParsersAction) -> None:
                                    "a bar chart (OUT/compare.png).")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                    help="ZeRO stages to run (default 0 1 2 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each running every implementation once in turn; times are the median "
+                        "over rounds, so machine noise hits every implementation alike (default 3)")
     _add_training_options(p, steps=30)
 
 
@@ -113,7 +118,7 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
     for name in names:
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
@@ -145,11 +150,27 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     print(f"wrote {len(weights)} tensors to {args.output}")
 
 
+def _resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--device auto becomes cuda or cpu; --nproc defaults to the GPU count on cuda, 2 on cpu."""
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        parser.error("--device cuda: no CUDA device is visible; use --device cpu")
+    if args.nproc is None:
+        args.nproc = gpus if args.device == "cuda" else 2
+    if args.device == "cuda" and args.nproc > gpus:
+        parser.error(f"--nproc {args.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; use "
+                     f"--nproc {gpus} or fewer, or --device cpu to run more ranks on the CPU")
+
+
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width"])
+    _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
+    _resolve_device(parser, args)
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "stages")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
     train_args = TrainArgs(**options)
     try:  # fail here, in one process, rather than in every rank
         check_paths(args.data)
@@ -163,7 +184,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         launch(train_args)
     else:
         from .compare import compare
-        compare(train_args, args.stages)
+        compare(train_args, args.stages, args.rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

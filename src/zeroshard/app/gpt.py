@@ -91,7 +91,8 @@ def sample(logits_of: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
         logits = logits_of(idx[:, -context:])[:, -1].float() / temperature
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-        idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        # Drawn on the CPU with the CPU generator (a torch.Generator lives on one device).
+        idx = torch.cat([idx, torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)], dim=1)
     return idx
 
 

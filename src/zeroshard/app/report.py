@@ -48,16 +48,19 @@ def plot_losses(train: list[float], val: float, path: str) -> None:
 
 
 def plot_comparison(rows: list[dict[str, Any]], path: str) -> None:
-    """Bars of step time and peak memory per rank for each run of `zeroshard compare`."""
+    """Bars of step time, model states and memory growth per rank for each run of `zeroshard compare`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [r["name"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    for ax, key, label in zip(axes, ["step_ms", "model_states_mib", "peak_rss_mib"],
-                              ["median step (ms)", "model states per rank (MiB)", "peak RSS per rank (MiB)"]):
+    panels = [("step_ms", "median step (ms)"), ("model_states_mib", "model states per rank (MiB)"),
+              ("rss_growth_mib", "peak RSS above baseline per rank (MiB)")]
+    if any(r["gpu_peak_mib"] for r in rows):
+        panels.append(("gpu_peak_mib", "GPU peak allocated per rank (MiB)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    for ax, (key, label) in zip(axes, panels):
         ax.bar(names, [r[key] for r in rows], color=["C7"] + ["C0"] * (len(rows) - 1))
-        ax.set_title(label)
+        ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -65,12 +68,26 @@ def plot_comparison(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def comparison_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'run':<10} {'step ms':>9} {'states MiB':>11} {'paper MiB':>10} {'peak RSS MiB':>13} "
-            f"{'train loss':>11} {'val loss':>9}")
+def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cuda: bool) -> str:
+    """step: the median over rounds of each run's median step; x: that over the baseline's.
+    states: model-state bytes per rank (paper: the formula); RSS+: peak RSS above the process's
+    baseline before the model was built; GPU: peak allocated on the GPU."""
+    columns = [("run", 9, lambda r: r["name"]), ("step ms", 9, lambda r: f"{r['step_ms']:.1f}"),
+               (f"x {baseline}", 7, lambda r: f"{r['vs_baseline']:.2f}"),
+               ("states MiB", 11, lambda r: f"{r['model_states_mib']:.2f}"),
+               ("paper MiB", 10, lambda r: f"{r['paper_mib']:.2f}"),
+               ("RSS+ MiB", 9, lambda r: f"{r['rss_growth_mib']:.0f}")]
+    if cuda:
+        columns.append(("GPU peak MiB", 13, lambda r: f"{r['gpu_peak_mib']:.0f}"))
+    columns += [("train loss", 11, lambda r: f"{r['train_loss']:.4f}"),
+                ("val loss", 9, lambda r: f"{r['val_loss']:.4f}")]
+    head = f"{columns[0][0]:<{columns[0][1]}}" + "".join(f" {c:>{w}}" for c, w, _ in columns[1:])
     lines = [head, "-" * len(head)]
     for r in rows:
-        paper = f"{r['paper_mib']:.2f}" if r["paper_mib"] is not None else "-"
-        lines.append(f"{r['name']:<10} {r['step_ms']:>9.1f} {r['model_states_mib']:>11.2f} {paper:>10} "
-                     f"{r['peak_rss_mib']:>13.0f} {r['train_loss']:>11.4f} {r['val_loss']:>9.4f}")
+        cells = [f(r) for _, _, f in columns]
+        lines.append(f"{cells[0]:<{columns[0][1]}}" + "".join(f" {c:>{w}}" for c, (_, w, _)
+                                                             in zip(cells[1:], columns[1:])))
+    each = "; ".join(f"{r['name']} " + "/".join(f"{t:.1f}" for t in r["step_ms_each"]) for r in rows)
+    lines.append(f"step ms in each of {rounds} interleaved round(s): {each}")
+    lines.append("RSS+ = peak resident memory above the process's own before the model was built")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from .report import MIB, memory_table, plot_losses, traffic_line
 class TrainArgs:
     stage: int = 3
     ddp: bool = False            # no ZeRO: torch DistributedDataParallel (compare's baseline)
+    device: str = "cpu"          # "cpu" (gloo ranks) or "cuda" (one GPU per rank, NCCL)
     nproc: int = 2
     steps: int = 300
     batch_size: int = 8          # per rank
@@ -79,7 +80,11 @@ def launch(args: TrainArgs) -> dict[str, Any]:
 
 def worker(args: TrainArgs) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    zeroshard.ensure_process_group()  # from the launcher's variables (initialize would, DDP does not)
+    # From the launcher's variables (initialize would, DDP does not), on the backend asked for.
+    zeroshard.ensure_process_group(backend="nccl" if args.device == "cuda" else "gloo")
+    rss_before = _peak_rss()  # the runtime's own memory, before any model exists
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(args.seed)
     if args.ddp:
         model = build_model(args)
@@ -87,7 +92,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         with zeroshard.init():
             model = build_model(args)
     make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1)  # noqa: E731
-    engine = DDPBaseline(model, make_opt) if args.ddp else \
+    engine = DDPBaseline(model, make_opt, args.device) if args.ddp else \
         zeroshard.initialize(model, make_opt, args.engine_config())
     rank, world = zeroshard.rank_and_world_size()
     data = Batches(load_corpus(args.data or None), args.seq_len)
@@ -99,11 +104,12 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     times, tokens = [], 0
     for step in range(len(history), args.steps):
         batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * world + rank)
-        x, y = data.get("train", args.batch_size, batch_rng)
+        x, y = (t.to(engine.device) for t in data.get("train", args.batch_size, batch_rng))
         start = time.perf_counter()
         loss = lm_loss(logits_of(engine(x)), y)
         engine.backward(loss)
         engine.step()
+        _wait_for_device(engine.device)  # a GPU step is done when its kernels are, not when queued
         times.append(time.perf_counter() - start)
         history.append(zeroshard.mean_over_ranks(loss))
         tokens += x.numel() * world
@@ -117,12 +123,28 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         engine.save_checkpoint(checkpoints, client_state={"losses": history, "args": asdict(args)})
     text = _sample(engine, args)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
-    peak_rss = zeroshard.gather_objects(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peaks = zeroshard.gather_objects((_peak_rss(), _peak_rss() - rss_before, _gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
         _report(engine, args, per_rank, history, val, text, sum(times))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
-            "model_states": stats["model_states"], "peak_rss": max(peak_rss), "psi": engine.num_parameters()}
+            "model_states": stats["model_states"], "psi": engine.num_parameters(),
+            "peak_rss": max(p[0] for p in peaks), "rss_growth": max(p[1] for p in peaks),
+            "gpu_peak": max(p[2] for p in peaks)}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gpu_peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _wait_for_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -138,8 +160,8 @@ def _progress(args: TrainArgs, rank: int, initial: int):
 @torch.no_grad()
 def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
     rng = torch.Generator().manual_seed(12345 + zeroshard.rank_and_world_size()[0])
-    losses = [lm_loss(logits_of(engine(x)), y) for x, y in (data.get("val", args.batch_size, rng)
-                                                           for _ in range(batches))]
+    pairs = (data.get("val", args.batch_size, rng) for _ in range(batches))
+    losses = [lm_loss(logits_of(engine(x.to(engine.device))), y.to(engine.device)) for x, y in pairs]
     return zeroshard.mean_over_ranks(torch.stack(losses).mean())
 
 
@@ -147,7 +169,7 @@ def _sample(engine, args: TrainArgs) -> str:
     """Every rank samples together with the same seed (stage 3 gathers inside each forward)."""
     if not args.sample_tokens:
         return ""
-    prompt = torch.tensor([list(b"def ")])
+    prompt = torch.tensor([list(b"def ")], device=engine.device)
     out = sample(lambda idx: logits_of(engine(idx)), prompt, args.sample_tokens, args.seq_len,
                  torch.Generator().manual_seed(args.seed))
     return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
@@ -173,11 +195,17 @@ def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: li
 
 
 class DDPBaseline:
-    """Plain torch DistributedDataParallel behind the engine's interface: the compare baseline."""
+    """Plain torch DistributedDataParallel (one rank: the bare model) behind the engine's interface:
+    the compare baseline."""
 
-    def __init__(self, model: nn.Module, make_opt) -> None:
+    def __init__(self, model: nn.Module, make_opt, device: str) -> None:
         from torch.nn.parallel import DistributedDataParallel
-        self.module = DistributedDataParallel(model)
+        cuda = device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        model = model.to(self.device)
+        one_rank = zeroshard.rank_and_world_size()[1] == 1  # plain torch: nothing to synchronize
+        self.module = model if one_rank else DistributedDataParallel(
+            model, device_ids=[self.device.index] if cuda else None)
         self.optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
 
     def __call__(self, *args: Any) -> Any:

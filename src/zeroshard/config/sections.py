@@ -34,9 +34,9 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
     stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
     stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
-    sub_group_size: int = 1_000_000_000        # the step runs over at most this many owned elements at once
+    sub_group_size: int = 100_000_000          # the step's owned elements at once (DeepSpeed's default: 1e9)
     contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
-    overlap_comm: bool | None = None          # None: on at stage 3 only, as in DeepSpeed
+    overlap_comm: bool = True                  # on at every stage, as DDP overlaps (DeepSpeed: stage 3 only)
     reduce_scatter: bool = True
     allgather_partitions: bool = True
     offload_optimizer: bool = False            # master weights + optimizer state on the host
@@ -89,7 +89,7 @@ class Settings:
 
     @property
     def overlap_comm(self) -> bool:
-        return self.zero.overlap_comm if self.zero.overlap_comm is not None else self.zero.stage == 3
+        return self.zero.overlap_comm
 
     def dtype(self, name: str | None) -> torch.dtype:
         return DTYPES[name or self.precision]

@@ -1,0 +1,157 @@
+"""One GPU, world size 1: zeroshard against torch AMP and FSDP2 on a Llama-shaped model (issue 12's table).
+
+Every implementation trains the same Hugging Face Llama (built from a config, nothing downloaded) on the
+same random tokens in bf16 with AdamW (fused where the implementation allows), each in a fresh process
+(so its GPU peak is its own), in interleaved rounds. Reported per implementation: median step time over
+the timed steps (median over rounds), tokens/s, peak GPU memory allocated, and the last loss.
+
+    python benchmarks/gpu_step.py                         # 1.1B (hidden 2048, 22 layers), seq 1024, batch 8
+    python benchmarks/gpu_step.py --device cpu --tiny     # smoke test of the script itself, on the CPU
+
+Writes benchmarks/out/gpu_step.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+IMPLS = ["torch_amp", "fsdp2", "zeroshard_0", "zeroshard_1", "zeroshard_3"]
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=32000)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+
+
+def build_model(args: argparse.Namespace):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = TINY if args.tiny else LLAMA_1B
+    config = LlamaConfig(**shape, max_position_embeddings=args.seq, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config), shape["vocab_size"]
+
+
+def make_step(name: str, model, device, args: argparse.Namespace):
+    """(input_ids) -> loss tensor, one optimizer step done."""
+    import torch
+    fused = device.type == "cuda"
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=fused)  # noqa: E731
+    if name == "torch_amp":
+        model.to(device)
+        opt = adamw(model.parameters())
+
+        def step(ids):
+            with torch.autocast(device.type, torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+    if name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        model.to(device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        opt = adamw(model.parameters())
+
+        def step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+    import zeroshard
+    stage = int(name.rsplit("_", 1)[1])
+    engine = zeroshard.initialize(model, adamw, {"zero_optimization": {"stage": stage},
+                                                 "bf16": {"enabled": True}})
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def worker(name: str, args: argparse.Namespace) -> dict:
+    import torch
+    import zeroshard
+    device = torch.device(args.device)
+    zeroshard.ensure_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    model, vocab = build_model(args)
+    step = make_step(name, model, device, args)
+    g = torch.Generator().manual_seed(1)
+    times, loss = [], float("nan")
+    for i in range(args.warmup + args.steps):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(ids).item()  # .item() waits for the step's kernels
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return {"name": name, "step_s": statistics.median(times), "loss": loss, "peak_gib": peak / 2**30}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="a 2-layer, width-64 Llama (smoke test)")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=7, help="timed steps (default 7: steps 4-10)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.tiny:
+        args.seq, args.batch = min(args.seq, 32), min(args.batch, 2)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return
+    results: dict[str, list[dict]] = {n: [] for n in args.impls}
+    for round_ in range(args.rounds):
+        for name in args.impls:
+            cmd = [sys.executable, __file__, "--worker", name] + [a for a in sys.argv[1:]]
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + round_)}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name}: failed\n{done.stderr[-2000:]}", flush=True)
+                continue
+            results[name].append(json.loads(line[7:]))
+            print(f"round {round_ + 1}: {name} {results[name][-1]['step_s']:.3f} s", flush=True)
+    tokens = args.batch * args.seq
+    lines = [f"{'run':<13} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"]
+    for name, runs in results.items():
+        if runs:
+            s = statistics.median(r["step_s"] for r in runs)
+            lines.append(f"{name:<13} {s:>8.3f} {tokens / s:>10,.0f} {runs[-1]['peak_gib']:>13.2f} "
+                         f"{runs[-1]['loss']:>10.4f}")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "gpu_step.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(OUT, "gpu_step.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Where a rank's tensors live: the process group decides, the model follows.
+
+A process group works on one device per rank: NCCL on this rank's GPU, gloo on the CPU. zeroshard
+builds every buffer there, so the model must be on that device or on the CPU, from where initialize()
+moves it unit by unit as each flat buffer is built (a rank never holds two copies of more than one
+unit); a model on another GPU is moved the same way. Anything else (a CUDA model under gloo) is
+refused before any collective, naming both devices and the fix: a mismatched broadcast fails deep
+inside the backend, or hangs.
+
+The backend is chosen once, when the group starts: the `backend` argument, else the ZEROSHARD_BACKEND
+environment variable, else NCCL where CUDA is available and gloo elsewhere. Under NCCL each rank takes
+the GPU numbered by LOCAL_RANK, unless CUDA_VISIBLE_DEVICES already leaves one GPU per process;
+without LOCAL_RANK (a plain `python train.py`) the current GPU stays, as torch.cuda.set_device left it.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BACKEND_ENV = "ZEROSHARD_BACKEND"
+BACKENDS = ("nccl", "gloo")
+
+
+def choose_backend(backend: str | None = None) -> str:
+    """The backend to start: the argument, else $ZEROSHARD_BACKEND, else nccl with CUDA, gloo without."""
+    chosen = backend or os.environ.get(BACKEND_ENV) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if chosen not in BACKENDS:
+        source = "backend" if backend else BACKEND_ENV
+        raise ValueError(f"{source}={chosen!r}: zeroshard runs on 'nccl' (CUDA) or 'gloo' (CPU)")
+    if chosen == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("the nccl backend needs CUDA, and no CUDA device is visible; use gloo "
+                           f"(backend='gloo' or {BACKEND_ENV}=gloo) to train on the CPU")
+    return chosen
+
+
+def local_cuda_index() -> int:
+    """This rank's GPU under NCCL: LOCAL_RANK, or 0 where CUDA_VISIBLE_DEVICES shows each rank one GPU.
+    Refuses more ranks on a node than GPUs (NCCL would fail with 'invalid device ordinal')."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    count = torch.cuda.device_count()
+    if count == 1 and "CUDA_VISIBLE_DEVICES" in os.environ and local_world > 1:
+        return 0  # the launcher narrowed each process to its own GPU
+    if max(local_rank + 1, local_world) > count:
+        raise RuntimeError(f"{local_world} ranks on this node but {count} CUDA device(s): NCCL needs one GPU "
+                           f"per rank. Launch at most {count} processes per node (torchrun "
+                           f"--nproc-per-node {count}), or train on the CPU with gloo "
+                           f"({BACKEND_ENV}=gloo; `zeroshard train --device cpu`)")
+    return local_rank
+
+
+def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -> None:
+    """Start the default process group if none exists: from torchrun's variables, else world size 1.
+
+    The timeout turns a rank that never arrives into an error instead of a hang."""
+    if dist.is_initialized():
+        return
+    chosen = choose_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    if chosen == "nccl" and "LOCAL_RANK" in os.environ:  # else keep a GPU the user already chose
+        torch.cuda.set_device(local_cuda_index())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(chosen, timeout=timeout)
+    else:
+        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a group's collectives work on, for this rank."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_placement(module: nn.Module, device: torch.device) -> None:
+    """Refuse a model the group cannot use: every parameter and buffer must be on the CPU or on a
+    device of the group's type (initialize() moves it to this rank's). Refusals depend only on the
+    device types, the same on every rank, so they can come before any collective: a model on GPU 0
+    on every rank (`.cuda()` before the rank's GPU was set) is moved rather than refused on all but
+    rank 0, which would leave rank 0 waiting for the others."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.device.type in ("cpu", "meta", device.type):
+                continue  # the meta device is refused with its own message (checks.check_model)
+            raise ValueError(_mismatch(f"{kind} '{name}'", t.device, device))
+
+
+def _mismatch(what: str, have: torch.device, need: torch.device) -> str:
+    head = f"{what} is on {have}, but this rank's process group works on {need}"
+    if need.type == "cpu":
+        return (f"{head} (gloo). Train on the GPU with an NCCL group (zeroshard.ensure_process_group("
+                f"backend='nccl') or {BACKEND_ENV}=nccl before initialize()), or move the model to the CPU "
+                f"(model.cpu())")
+    return (f"{head}. Build the model on the CPU (initialize() moves it to {need} unit by unit) or on "
+            f"{need}")
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """Every registered buffer onto `device` (a buffer shared by two modules stays shared).
+    Returns (module, name, the buffer before) for each one moved, to undo it."""
+    moved: dict[int, torch.Tensor] = {}
+    before = []
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = moved.setdefault(id(b), b.to(device))
+                before.append((m, name, b))
+    return before
