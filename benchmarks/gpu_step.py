@@ -42,29 +42,19 @@ def make_step(name: str, model, device, args: argparse.Namespace):
     import torch
     fused = device.type == "cuda"
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=fused)  # noqa: E731
-    if name == "torch_amp":
+    if name in ("torch_amp", "fsdp2"):
         model.to(device)
+        if name == "fsdp2":  # bf16 compute from fp32 parameters, as AMP, but sharded per layer
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model.model.layers:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
         opt = adamw(model.parameters())
 
         def step(ids):
-            with torch.autocast(device.type, torch.bfloat16):
+            with torch.autocast(device.type, torch.bfloat16, enabled=name == "torch_amp"):
                 loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step
-    if name == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        model.to(device)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = adamw(model.parameters())
-
-        def step(ids):
-            loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
