@@ -83,8 +83,8 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
                 scalars.setdefault(flat.group, {})[key] = value
     pieces = comm.all_gather_objects(sorted(k for k in state if k.startswith("param/")))
     if comm.rank == 0:
-        extra = {**extra, "scalars_on_device": on_device}
-        state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces))
+        state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device,
+                                           pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
     dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
     comm.barrier()
@@ -99,7 +99,7 @@ def _is_elementwise(value: Any, flat: FlatParam) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == flat.master.shape
 
 
-def _meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces) -> dict[str, Any]:
+def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pieces) -> dict[str, Any]:
     lengths: dict[str, list[tuple[int, int]]] = {}
     shapes = {slot.names[0]: (slot.shape, slot.names) for f in flats for slot in f.layout.slots}
     for keys in pieces:
@@ -109,7 +109,7 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces) -> dic
     trainable = sorted(slot.names[0] for f in flats if f.trainable for slot in f.layout.slots)
     return {"format": 1, "shapes": shapes, "starts": lengths, "elementwise": sorted(elementwise),
             "trainable": trainable,
-            "scalars": scalars, "buffers": list(buffers),
+            "scalars": scalars, "scalars_on_device": on_device, "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "extra": extra}
 
@@ -238,7 +238,7 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
     for flat in flats:
         if flat.trainable:
             optimizer.state[flat.opt_param] = {k: torch.zeros_like(flat.master) for k in meta["elementwise"]}
-            on_device = meta["extra"].get("scalars_on_device", {}).get(flat.group, [])
+            on_device = meta.get("scalars_on_device", {}).get(flat.group, [])  # absent: saved on CPU
             for key, value in meta["scalars"].get(flat.group, {}).items():
                 copy = value.clone() if isinstance(value, torch.Tensor) else value
                 if key in on_device:  # where the optimizer keeps it (fused Adam: beside the params)

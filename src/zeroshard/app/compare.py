@@ -50,6 +50,6 @@ def _row(name: str, stage: int, runs: list[dict[str, Any]], args: TrainArgs) -> 
             "step_ms_each": [r["step_ms"] for r in runs],
             "model_states_mib": last["model_states"] / MIB,
             "paper_mib": paper_model_state_bytes(last["psi"], args.nproc, stage, p, g, k) / MIB,
-            "rss_growth_mib": last["rss_growth"] / MIB, "peak_rss_mib": last["peak_rss"] / MIB,
+            "rss_growth_mib": last["rss_growth"] / MIB,
             "gpu_peak_mib": last["gpu_peak"] / MIB,
             "train_loss": last["train_loss"], "val_loss": last["val_loss"]}

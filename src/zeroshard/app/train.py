@@ -123,14 +123,13 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         engine.save_checkpoint(checkpoints, client_state={"losses": history, "args": asdict(args)})
     text = _sample(engine, args)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
-    peaks = zeroshard.gather_objects((_peak_rss(), _peak_rss() - rss_before, _gpu_peak(engine.device)))
+    peaks = zeroshard.gather_objects((_peak_rss() - rss_before, _gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
         _report(engine, args, per_rank, history, val, text, sum(times))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
             "model_states": stats["model_states"], "psi": engine.num_parameters(),
-            "peak_rss": max(p[0] for p in peaks), "rss_growth": max(p[1] for p in peaks),
-            "gpu_peak": max(p[2] for p in peaks)}
+            "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks)}
 
 
 def _peak_rss() -> int:
