@@ -52,6 +52,9 @@ RESUME_16 = f"{C}::test_16bit_and_offload_checkpoints_resume_at_another_world_si
 BF16 = f"{R}::test_bf16_every_stage"
 SGD_16 = f"{R}::test_16bit_training_with_sgd_against_fp32"
 SCALER = f"{R}::test_loss_scale_schedule"
+OFF = "tests/parity/test_offload.py"
+OFF_PARITY = f"{OFF}::test_offload_matches_training_in_place[2]"
+OFF_DELAYED = f"{OFF}::test_delayed_param_update_follows_its_definition[3]"
 
 MUTATIONS = [
     Mutation("rs-bucket-no-mean", "src/zeroshard/comm.py",
@@ -87,10 +90,8 @@ MUTATIONS = [
              "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
              "the clipping coefficient is computed but not applied"),
     Mutation("sub-group-steps-all", "src/zeroshard/optim.py",
-             "            for f in group:                                "
-             "# (fp32 gradient copies) for one group",
-             "            for f in trainable:                            "
-             "# (fp32 gradient copies) for one group",
+             "            for f in group:  # fp32 gradient copies for one sub-group",
+             "            for f in trainable:  # fp32 gradient copies for one sub-group",
              (f"{R}::test_sub_group_step",), "every sub-group's optimizer step updates every buffer again"),
     Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
@@ -120,9 +121,10 @@ MUTATIONS = [
              "the loss scale never grows after loss_scale_window clean steps"),
     Mutation("hysteresis-ignored", "src/zeroshard/precision.py", "        if self._tolerance > 1:",
              "        if False:", (SCALER,), "every overflow halves the scale, whatever the hysteresis"),
-    Mutation("scheduler-steps-on-skip", "src/zeroshard/engine.py",
-             "self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:",
-             "self.lr_scheduler is not None:", (SCALER,), "the lr scheduler steps on skipped fp16 steps"),
+    Mutation("scheduler-steps-on-skip", "src/zeroshard/optim.py",
+             "    if overflow:\n        return norm\n",
+             "    if overflow:\n        after_update()\n        return norm\n",
+             (SCALER,), "the lr scheduler steps on skipped fp16 steps"),
     Mutation("scaler-not-loaded", "src/zeroshard/engine.py",
              '        self.scaler.load_state_dict(extra["scaler"])\n',
              "", (BIT_EXACT,), "load_checkpoint does not restore the loss scale"),
@@ -152,6 +154,28 @@ MUTATIONS = [
              "len(self.previous) \\\n            and self.previous[-1] is unit",
              "        return self.enabled", ("tests/accounting/test_traffic.py",),
              "stage 3 keeps every unit gathered from forward to backward (memory that never shrinks)"),
+    Mutation("offload-grad-version-ignored", "src/zeroshard/offload.py",
+             "        if version == self._grad_version:\n", "        if self._grad_version >= 0:\n",
+             (OFF_PARITY,), "offload keeps the first gradient it copied down, missing every later step's"),
+    Mutation("offload-early-copy-not-refreshed", "src/zeroshard/flat_param.py",
+             "        self.grad_version += 1\n", "        pass\n", (OFF_PARITY,),
+             "a gradient copied down before accumulation ended is not copied again once it changes"),
+    Mutation("offload-update-not-uploaded", "src/zeroshard/offload.py",
+             "        self._uploaded = self.copier.copy(device_shard, self.staging)\n",
+             "        self._uploaded = None\n", (OFF_PARITY,),
+             "the updated master is staged on the host but never copied into the device shard"),
+    Mutation("offload-param-not-copied-up", "src/zeroshard/flat_param.py",
+             "            own.copy_(self.shard, non_blocking=True)", "            pass", (OFF_PARITY,),
+             "an offloaded stage-3 shard is not copied into place before its all-gather"),
+    Mutation("delayed-update-applied-at-once", "src/zeroshard/optim.py",
+             "        delayed.start_update(lambda: _update(trainable, optimizer, factor, sub_group_size, "
+             "False),", "        _update(trainable, optimizer, factor, sub_group_size, True)\n"
+             "        delayed.start_update(lambda: None,", (OFF_DELAYED,),
+             "the delayed parameter update reaches the parameters in the same step (no delay)"),
+    Mutation("offload-host-bytes-not-counted", "src/zeroshard/memory.py",
+             '"transfer": flat.host.nbytes if flat.host is not None else 0,', '"transfer": 0,',
+             (f"{OFF}::test_offloaded_shards_are_the_only_copy",),
+             "memory_stats() leaves out offload's host transfer buffers"),
 ]
 
 

@@ -24,6 +24,7 @@ from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
+from .offload import Copier
 from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
@@ -76,6 +77,8 @@ class Engine:
         module, config, comm = self.module, self.config, self.comm
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = Precision.from_config(config)
+        offloads = self.precision.offload or self.precision.offload_params
+        self.copier = Copier(comm.device) if offloads else None  # host<->device copies (offload.py)
         self.scaler = LossScaler(config.scaler)
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
@@ -118,10 +121,16 @@ class Engine:
     def wait_for_parameters(self) -> None:
         """Stages 1-2 with zeroshard.defer_param_gather: complete the post-step all-gathers still
         in flight. Until then (or the next forward) the module's parameters are empty placeholders;
-        call this before reading them directly (norms, an EMA). state_dict() waits by itself."""
+        call this before reading them directly (norms, an EMA). state_dict() waits by itself.
+        With zeroshard.delayed_param_update it also waits for the update running on the host."""
+        self._finish_update()
         if not self.policy.shard_params:
             for flat in self.flats:
                 flat.gather()
+
+    def _finish_update(self) -> None:
+        if self.copier is not None:
+            self.copier.finish_update()
 
     def _restore_module(self, originals: dict[int, tuple[torch.device, torch.dtype]]) -> None:
         """Give every parameter its own tensor again, with its values (from the master where there is
@@ -140,7 +149,8 @@ class Engine:
         def new_flat(members: NamedParams, group: int) -> FlatParam:
             numel = sum(p.numel() for _, p in members)
             flat = FlatParam(members, self.comm, self.policy, buckets, self.precision, trainable=group >= 0,
-                             persistent=numel <= zero.stage3_param_persistence_threshold, group=group)
+                             persistent=numel <= zero.stage3_param_persistence_threshold, group=group,
+                             copier=self.copier)
             self.flats.append(flat)  # as soon as it exists, so a failure later can undo it
             return flat
         return build_units(self.module, self.config.unit_modules, group_of, new_flat)
@@ -167,8 +177,7 @@ class Engine:
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self._set_state(TrainingState.BACKWARD)
-        ends_cycle = self.config.overlap_comm and self.is_gradient_accumulation_boundary()
-        self.reducer.begin_backward(ends_cycle)
+        self.reducer.begin_backward(self.is_gradient_accumulation_boundary())
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         try:
             (loss * factor if factor != 1.0 else loss).backward()
@@ -214,13 +223,14 @@ class Engine:
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
                     flat.reduce_grads()
+        for flat in self.flats:
+            flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
-        skipped = self.scaler.skipped_steps
+        delayed = self.copier if self.config.delayed_param_update else None
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
-                                           self.global_steps, self.config.zero.sub_group_size)
-        if self.lr_scheduler is not None and self.scaler.skipped_steps == skipped:
-            self.lr_scheduler.step()
+                                           self.global_steps, self.config.zero.sub_group_size, delayed,
+                                           self._after_update)
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()
@@ -230,6 +240,10 @@ class Engine:
             logger.info("step %d: model states %.1f MiB per rank, traffic %.1f MiB last step",
                         self.global_steps, self.memory_stats()["model_states"] / 2**20,
                         sum(v["bytes"] for v in self.comm.stats()["last_step"].values()) / 2**20)
+
+    def _after_update(self) -> None:
+        if self.lr_scheduler is not None:  # (only real updates step it: not a skipped fp16 step)
+            self.lr_scheduler.step()
 
     @property
     def skipped_steps(self) -> int:
@@ -272,6 +286,8 @@ class Engine:
                     flat.gather_into_full()
             for flat in self.flats:
                 flat.finish_write_back()
+        if self.copier is not None:
+            self.copier.unwritten = False  # the parameters are the loaded master's
         # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
         self.global_steps = extra["global_steps"]
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
@@ -297,6 +313,7 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds now: model states by category, module buffers and temporaries."""
+        self._finish_update()  # the optimizer state is the update's until it ends
         return memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
                                    self.peak_temporary, self.comm.largest_bucket)
 

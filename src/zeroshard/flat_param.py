@@ -3,10 +3,10 @@
 Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the padded buffer):
 - module parameters are views of `full` while it is gathered (always, at stages 0-2);
 - `shard` is this rank's slice, in the compute dtype: an alias of `full` at stages 0-2, its own
-  tensor at stage 3;
+  tensor at stage 3 (in host memory with offload_param, unless the buffer stays gathered);
 - `master` is what the optimizer updates (fp32; the whole buffer at stage 0, the shard otherwise). It
   aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
-  after each step;
+  after each step (with offload_optimizer it is on the host, and so are `host`'s transfer buffers);
 - each trainable FlatParam is reduced exactly once per backward (or per step at stages 0-1), in the
   same order on every rank, so the collectives always match across ranks.
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, Pending, complete
+from .offload import Copier, HostCopies
 from .partition import Slot, build_layout
 from .policy import Buckets, StagePolicy
 from .precision import Precision
@@ -70,7 +71,7 @@ class FlatParam:
 
     def __init__(self, named_params: list[tuple[tuple[str, ...], nn.Parameter]], comm: Comm,
                  policy: StagePolicy, buckets: Buckets, precision: Precision, trainable: bool,
-                 persistent: bool = False, group: int = 0) -> None:
+                 persistent: bool = False, group: int = 0, copier: Copier | None = None) -> None:
         self.params = [p for _, p in named_params]
         self.layout = build_layout([(names, tuple(p.shape)) for names, p in named_params], comm.world_size)
         self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
@@ -82,8 +83,14 @@ class FlatParam:
         self.full = source.to(precision.param_dtype)  # the same tensor when no conversion is needed
         self.persistent = not policy.shard_params or persistent
         self.shard = self.full[self.range[0]:self.range[1]]
-        if policy.shard_params:
+        self.shard_on_host = policy.shard_params and precision.offload_params and not self.persistent
+        if self.shard_on_host:
+            self.shard = copier.host_empty(self.layout.shard_numel, self.full.dtype, precision.pin_params)
+            self.shard.copy_(self.full[self.range[0]:self.range[1]])
+        elif policy.shard_params:
             self.shard = self.shard.clone()
+        self.copier = copier
+        self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
         self.state = ParamState.GATHERED
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
         self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
@@ -93,6 +100,7 @@ class FlatParam:
         self.master: torch.Tensor | None = None
         self.opt_param: nn.Parameter | None = None
         self.grad_state = GradState.EMPTY
+        self.grad_version = 0  # bumped by every change to the reduced gradient (offload copies it)
         self._pending: set[int] = set()
         self.inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
         self._gathering: Pending = []  # an all-gather issued by prefetch()
@@ -122,10 +130,13 @@ class FlatParam:
             self.grad_full = torch.zeros_like(self.full)
             self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
         updated = self.shard if self.policy.shard_optimizer else self.full
-        if p.separate_master:  # fp32 copy of the original values (not of their rounded compute copy)
-            self.master = owned_source.to(torch.float32, copy=True).to(p.master_device(self.full.device))
-            if p.pin_memory and self.full.device.type == "cuda":  # pinning only speeds GPU copies
-                self.master = self.master.pin_memory()
+        if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
+            self.master = self.copier.host_empty(owned_source.numel(), torch.float32, p.pin_memory)
+            self.master.copy_(owned_source)
+            self.host = HostCopies(self.copier, self.master.numel(), self.grad_shard.dtype,
+                                   None if self.shard_on_host else p.param_dtype)
+        elif p.separate_master:
+            self.master = owned_source.to(torch.float32, copy=True)
         else:
             self.master = updated
         self.opt_param = nn.Parameter(self.master)  # shares storage: updates land in `master`
@@ -155,8 +166,19 @@ class FlatParam:
         # saved during forward keep pointing at this storage and become valid again.
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         with torch.no_grad():
-            self._gathering = self._all_gather(self.full, self.shard, async_op=True)
+            self._gathering = self._all_gather(self.full, self._shard_on_device(), async_op=True)
         self._set_state(ParamState.GATHERING)
+
+    def _shard_on_device(self) -> torch.Tensor:
+        """The shard, ready for a collective to read: a host shard is copied up into its own place
+        in `full` (the all-gather then runs in place); an uploaded update is waited for."""
+        if self.shard_on_host:
+            own = self.full[self.range[0]:self.range[1]]
+            own.copy_(self.shard, non_blocking=True)  # pinned: ordered on the compute stream, host free
+            return own
+        if self.host is not None:
+            self.host.before_device_read()
+        return self.shard
 
     def gather(self) -> None:
         """Make `full` current and point module parameters at it (a no-op where it is: always at
@@ -205,8 +227,9 @@ class FlatParam:
         return self.shard if self.policy.shard_params else self.full
 
     def gathered_copy(self) -> torch.Tensor:
-        """The full padded values (from the fp32 master where there is one), in a new tensor."""
-        if self.master is not None and self.master.dtype != self.full.dtype:
+        """The full padded values (from the fp32 master where there is one: with the delayed
+        update it is a step newer than the parameters), in a new tensor."""
+        if self.trainable and self.precision.separate_master:
             owned = self.master.to(self.full.device)
             if not self.policy.shard_optimizer:
                 return owned.clone()
@@ -216,7 +239,7 @@ class FlatParam:
         if self.state is ParamState.GATHERED:
             return self.full.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
-        self._all_gather(out, self.shard)
+        self._all_gather(out, self.shard.to(out.device))
         return out
 
     # ---- gradients ----------------------------------------------------------------------------
@@ -246,6 +269,7 @@ class FlatParam:
         With async_op the collectives are only issued; finish_reduce() completes them."""
         full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
         dtype = self.precision.reduce_dtype
+        self._grad_will_change()
         if not self.policy.shard_optimizer:
             self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
         else:
@@ -263,6 +287,16 @@ class FlatParam:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
         complete(self.inflight)
 
+    def _grad_will_change(self) -> None:
+        if self.host is not None:
+            self.host.before_device_grad_changes()  # a download may still be reading it
+        self.grad_version += 1
+
+    def offload_grad(self) -> None:
+        """offload_optimizer: start copying the reduced gradient to the host (its reductions done)."""
+        if self.host is not None:
+            self.host.download(self.local_grad(), self.grad_version)
+
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
         return self.grad_shard if self.policy.shard_optimizer else self.grad_full
@@ -270,10 +304,18 @@ class FlatParam:
     def attach_master_grad(self, factor: float) -> None:
         """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
         one multiply): an alias of the reduced gradient where possible, else a temporary copy."""
-        grad = self.local_grad()
+        grad = self.local_grad() if self.host is None else self.host.grad  # fetch_grad() filled it
         if grad.dtype != torch.float32 or grad.device != self.master.device:
             grad = grad.to(self.master.device, torch.float32)
         self.opt_param.grad = grad.mul_(factor) if factor != 1.0 else grad
+
+    def release_master_grad(self) -> None:
+        self.opt_param.grad = None  # a copy, if one was made, is freed here
+
+    def fetch_grad(self) -> None:
+        """offload_optimizer: wait until the host holds this step's reduced gradient."""
+        if self.host is not None:
+            self.host.host_grad(self.local_grad(), self.grad_version)
 
     def write_back(self) -> None:
         """After the optimizer step: refresh the compute-dtype parameters from the master, then
@@ -282,13 +324,16 @@ class FlatParam:
         overlap the next sub-group's update; with gather_behind_forward, the next forward does.
         (A gather staged through several buckets completes here, unless deferred: in flight
         together, their buckets would add up to a second copy of the parameters.)"""
-        self.opt_param.grad = None  # a copy, if one was made, is freed here
         updated = self.shard if self.policy.shard_optimizer else self.full
         with torch.no_grad():
-            if self.master is not updated:
+            if self.master is not updated and self.host is not None and not self.shard_on_host:
+                self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously
+            elif self.master is not updated:
                 updated.copy_(self.master)
             if not (self.policy.shard_optimizer and self.persistent):
                 return
+            if self.host is not None:
+                self.host.before_device_read()
             chunks = self.layout.shard_chunks(self.buckets.gather)
             if len(chunks) > 1 and not self.gather_behind_forward:
                 self._all_gather(self.full, self.shard)  # staged: one constant-size bucket at a time
@@ -308,6 +353,7 @@ class FlatParam:
         (zeros if none arrived here) and add them to the reduced gradient."""
         late = self._late if self._late is not None else torch.zeros_like(self.full)
         dtype = self.precision.reduce_dtype
+        self._grad_will_change()
         if self.policy.shard_optimizer:
             chunks = self.layout.shard_chunks(self.buckets.reduce)
             self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
@@ -325,6 +371,8 @@ class FlatParam:
             self._set_grad_state(GradState.HELD)
 
     def zero_grad(self) -> None:
+        if self.trainable:
+            self._grad_will_change()
         if self.grad_full is not None and not self.policy.shard_grads:
             self.grad_full.zero_()
         elif self.grad_shard is not None:

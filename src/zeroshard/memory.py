@@ -40,6 +40,8 @@ def buffer_bytes(flat: FlatParam) -> dict[str, int]:
         "master": _nbytes(flat.master) if separate else 0,
         "temporary": gathered_temp + (_nbytes(flat.grad_full) if sharded_g else 0)
         + _inflight_bytes(flat),
+        "transfer": flat.host.nbytes if flat.host is not None else 0,  # offload's host buffers
+        "params_on_host": _nbytes(flat.shard) if flat.shard_on_host else 0,
     }
 
 
@@ -72,7 +74,13 @@ def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, modul
     stats = {"params": held["params"], "grads": held["grads"], "optimizer": optim,
              "buffers": tensor_bytes(module.buffers()), "temporary": held["temporary"]}
     stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
-    stats["offloaded"] = optim if offload else 0  # held in host memory
+    stats["offloaded"] = optim if offload else 0  # the optimizer's, held in host memory
+    # By place: offloaded states, and the buffers they travel through, are in host memory; the
+    # rest is on the process group's device (which, on a CPU group, is host memory too).
+    stats["transfer"] = held["transfer"]
+    stats["host"] = stats["offloaded"] + held["params_on_host"] + held["transfer"]
+    stats["device"] = stats["model_states"] + stats["buffers"] + stats["temporary"] \
+        - stats["offloaded"] - held["params_on_host"]
     stats["peak_temporary"] = max(peak_temporary, stats["temporary"])
     stats["largest_bucket"] = largest_bucket
     return stats

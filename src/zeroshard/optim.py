@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .comm import Comm
+from .offload import Copier, prefer_fused, warn_if_slow
 from .config import Config, ConfigError
 from .precision import LossScaler
 from .flat_param import FlatParam
@@ -71,6 +72,9 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
     else:
         raise TypeError(f"optimizer must be a callable, an Optimizer class or None, "
                         f"got {type(spec).__name__}")
+    offloaded = config.zero.offload_optimizer
+    if offloaded and (spec is None or isinstance(spec, type)):  # keyword arguments are the config's
+        kwargs = prefer_fused(cls, kwargs)
     try:
         optimizer = cls(params, **kwargs)
     except (TypeError, ValueError) as e:
@@ -85,6 +89,8 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
                           f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards "
                           f"it would compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
                           f"Adagrad, RMSprop, ...)")
+    if offloaded:
+        warn_if_slow(optimizer)
     given = {id(t) for g in groups for t in g["params"]}
     seen = {id(t) for g in optimizer.param_groups for t in g["params"]}
     if given != seen:
@@ -94,13 +100,20 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
 
 
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
-                 max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int) -> float | None:
-    """Unscale, clip by the global norm, skip on overflow, update, write back. Returns the global
-    gradient norm (None when neither clipping nor fp16 needed it).
+                 max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int,
+                 delayed: Copier | None = None,
+                 after_update: Callable[[], None] = lambda: None) -> float | None:
+    """Unscale, clip by the global norm, skip on overflow, update, write back; `after_update` runs
+    once the update is done (not on a skipped step). Returns the global gradient norm (None when
+    neither clipping nor fp16 needed it).
 
     The norm is one scalar all-reduce over the ranks' shards (stage 0 ranks hold identical reduced
     gradients, so there it is local); an overflow anywhere makes it non-finite on every rank, so all
     ranks skip together. Clipping matches torch.nn.utils.clip_grad_norm_ on the full model.
+
+    With `delayed` (ZeRO-Offload's delayed parameter update), the parameters first take the update
+    of the previous step, then this step's update starts on a worker thread and overlaps the next
+    forward and backward: the gradient of step t is computed with the weights of step t-1.
     """
     trainable = [f for f in flats if f.trainable]
     norm = None
@@ -114,22 +127,54 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     overflow = scaler.enabled and not torch.isfinite(torch.tensor(norm)).item()
     if scaler.enabled:
         scaler.update(overflow, step)
+    if delayed is not None:
+        delayed.finish_update()
+        if delayed.unwritten:
+            _write_back(trainable)
+            delayed.unwritten = False
     if overflow:
         return norm
     factor = 1.0 / scaler.scale
     if max_norm > 0:
         factor *= min(1.0, max_norm / (norm + 1e-6))
+    for f in trainable:
+        f.fetch_grad()  # offload: on this thread, never the worker's (the copies are this thread's)
+    if delayed is None:
+        _update(trainable, optimizer, factor, sub_group_size, write_back=True)
+        after_update()
+    else:
+        delayed.start_update(lambda: _update(trainable, optimizer, factor, sub_group_size, False),
+                             then=after_update)
+    return norm
+
+
+def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor: float,
+            sub_group_size: int, write_back: bool) -> None:
+    """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
+    gradient copies alive at once), writing each back unless the caller does so later."""
     try:
-        for group in sub_groups(trainable, sub_group_size):  # DeepSpeed's sub_group_size: temporaries
-            for f in group:                                # (fp32 gradient copies) for one group at a time
+        for group in sub_groups(trainable, sub_group_size):
+            for f in group:  # fp32 gradient copies for one sub-group at a time
                 f.attach_master_grad(factor)
             optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
             for f in group:
-                f.write_back()  # issues the post-step all-gather (stages 1-2): in flight while we go on
+                f.release_master_grad()
+                if write_back:
+                    f.write_back()  # issues the post-step all-gather (stages 1-2): in flight as we go on
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
         for f in trainable:
+            f.release_master_grad()
+            if write_back:
+                f.finish_write_back()
+
+
+def _write_back(trainable: list[FlatParam]) -> None:
+    try:
+        for f in trainable:
+            f.write_back()
+    finally:
+        for f in trainable:
             f.finish_write_back()
-    return norm
 
 
 def sub_groups(flats: list[FlatParam], size: int) -> list[list[FlatParam]]:

@@ -24,21 +24,22 @@ logger = logging.getLogger("zeroshard")
 
 @dataclass(frozen=True)
 class Precision:
-    """dtypes of the model states; `offload` moves master weights and optimizer state to the host."""
+    """dtypes of the model states, and which live on the host: `offload` the master weights and
+    optimizer state, `offload_params` the parameter shards at rest (stage 3)."""
 
     param_dtype: torch.dtype = torch.float32        # compute dtype: parameters, gradients, gathers
     reduce_dtype: torch.dtype = torch.float32       # dtype gradients are communicated in
     accumulate_dtype: torch.dtype = torch.float32   # stages 2-3: dtype of the persistent gradient shard
     offload: bool = False
     pin_memory: bool = False
+    offload_params: bool = False
+    pin_params: bool = False
 
     @property
     def separate_master(self) -> bool:
         """Does the optimizer update its own fp32 copy rather than the parameters themselves?"""
-        return self.param_dtype != torch.float32 or self.offload
-
-    def master_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.offload else device
+        # (With offloaded shards in fp32, the master still stays beside the optimizer state.)
+        return self.param_dtype != torch.float32 or self.offload or self.offload_params
 
     @staticmethod
     def from_config(config: "Config") -> "Precision":
@@ -48,7 +49,9 @@ class Precision:
         accumulate = torch.float32 if config.gradient_accumulation_steps > 1 else compute
         return Precision(param_dtype=compute, reduce_dtype=config.dtype(config.communication_data_type),
                          accumulate_dtype=accumulate, offload=config.zero.offload_optimizer,
-                         pin_memory=config.zero.offload_pin_memory)
+                         pin_memory=config.zero.offload_pin_memory,
+                         offload_params=config.zero.offload_param,
+                         pin_params=config.zero.offload_param_pin_memory)
 
 
 def convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:

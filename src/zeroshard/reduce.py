@@ -55,6 +55,7 @@ class GradientReducer:
         self._local_only = False        # inside no_sync(): accumulate, do not reduce
         self._next = 0                  # position in `order` of the next buffer to reduce
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
+        self._ends_cycle = False        # this backward ends an accumulation cycle
         self._unit_of = {id(f): u for u in units for f in u.flats}
         self._install_hooks()
 
@@ -77,8 +78,11 @@ class GradientReducer:
 
     def begin_backward(self, ends_cycle: bool) -> None:
         """Stages 0-1 with overlap_comm: the backward that ends the accumulation cycle reduces its
-        buffers as they complete, like DDP (otherwise step() reduces them)."""
-        if ends_cycle and not self.policy.shard_grads and self.phase is CyclePhase.ACCUMULATING:
+        buffers as they complete, like DDP (otherwise step() reduces them). With offload_optimizer,
+        that backward's reduced gradients start their way to the host as each reduction ends."""
+        self._ends_cycle = ends_cycle
+        if ends_cycle and self.overlap and not self.policy.shard_grads and \
+                self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
 
     def end_step(self) -> None:
@@ -100,12 +104,20 @@ class GradientReducer:
 
     def _reduce(self, flat: FlatParam, async_op: bool) -> None:
         flat.reduce_grads(async_op=async_op)
-        if async_op:  # at most two buffers in flight: communication overlaps the next unit's compute
+        if not async_op:
+            self._reduced(flat)
+        else:  # at most two buffers in flight: communication overlaps the next unit's compute
             if self._reducing is not None and self._reducing is not flat:
                 self._reducing.finish_reduce()
+                self._reduced(self._reducing)
             self._reducing = flat
         if self.policy.shard_params:
             self._unit_of[id(flat)].maybe_free()
+
+    def _reduced(self, flat: FlatParam) -> None:
+        """A reduction has ended: on the last backward before the step, the gradient is final."""
+        if self._ends_cycle and not self._local_only and flat.reduced:
+            flat.offload_grad()
 
     def finish_backward(self) -> None:
         """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order."""
@@ -116,6 +128,7 @@ class GradientReducer:
         self._next = 0
         for flat in self.flats:
             flat.finish_reduce()
+            self._reduced(flat)
         if self.phase is CyclePhase.REDUCING:
             self._set_phase(CyclePhase.ACCUMULATING if self._local_only else CyclePhase.REDUCED)
         if late and not self._local_only:  # stages 0-1: a backward after this cycle's reduction

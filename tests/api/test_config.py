@@ -47,7 +47,17 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
      ["offload_optimizer.device", "nvme is not implemented"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
      ["offload_optimizer.ratio", "does not implement"]),
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, ["offload_param", "does not implement"]),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     ["offload_param needs", "stage 3", "got stage 2"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     ["offload_param.device", "nvme is not implemented"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "max_in_cpu": 1e9}}},
+     ["offload_param.max_in_cpu", "does not implement"]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin": True}}},
+     ["offload_param.pin", "accepted: device, pin_memory"]),
+    ({"zero_optimization": {"stage": 2}, "zeroshard": {"delayed_param_update": True}},
+     ["delayed_param_update", "needs zero_optimization.offload_optimizer"]),
+    ({"zeroshard": {"delayed_param_update": "on"}}, ["delayed_param_update", "true or false"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      ["offload_optimizer needs", "stage >= 1"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),
@@ -89,6 +99,11 @@ def test_precision_sections():
     assert cfg.precision == "fp16" and cfg.scaler.initial_scale_power == 8 and cfg.scaler.hysteresis == 1
     assert cfg.gradient_accumulation_steps == 4 and cfg.gradient_clipping == 1.0
     assert cfg.zero.offload_optimizer and cfg.zero.offload_pin_memory
+    offloaded = Config.load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                   "offload_param": {"device": "cpu", "pin_memory": True}},
+                             "zeroshard": {"delayed_param_update": True}})
+    assert offloaded.zero.offload_param and offloaded.zero.offload_param_pin_memory
+    assert offloaded.delayed_param_update and not offloaded.zero.offload_pin_memory
     assert Config.load({"bf16": {"enabled": True}}).precision == "bf16"
     assert Config.load({"fp16": {"enabled": False, "loss_scale": 128}}).scaler is None
 

@@ -39,10 +39,10 @@ def test_train_resume_and_consolidate(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
-    # Resume on 3 ranks at stage 2: it continues from step 20, it does not start again.
+    # Resume on 3 ranks at stage 2, now with optimizer offload: it continues from step 20.
     second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
-                       "--out", out, "--resume").stdout
-    assert "ZeRO stage 2, 3 ranks" in second
+                       "--out", out, "--resume", "--offload-optimizer").stdout
+    assert "ZeRO stage 2, 3 ranks" in second and "MiB in host memory" in second
     resumed = _train_losses(out)
     assert resumed[:20] == losses and len(resumed) == 25
     consolidated = zeroshard("consolidate", os.path.join(out, "checkpoints"), str(tmp_path / "w.pt"))
@@ -89,6 +89,8 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["train", "--stage", "4"], "invalid choice"),
     (["train", "--steps", "0"], "--steps must be >= 1"),
     (["train", "--nproc", "-1"], "--nproc must be >= 1"),
+    (["train", "--stage", "2", "--offload-param"], "offload_param needs zero_optimization.stage 3"),
+    (["train", "--offload-optimizer", "nvme"], "invalid choice"),
     (["bogus"], "invalid choice"),
     (["consolidate", "/no/such/dir", "out.safetensors"], "does not exist"),
     (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),

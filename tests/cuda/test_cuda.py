@@ -55,18 +55,25 @@ def _torch_losses(amp: bool) -> list[float]:
     return _train(model, step)
 
 
-def _zeroshard_losses(stage: int, precision: str, build_under_init: bool = False) -> list[float]:
+def _zeroshard_losses(stage: int, precision: str, build_under_init: bool = False,
+                      zero: dict | None = None) -> list[float]:
     torch.manual_seed(0)
     if build_under_init:
         with zeroshard.init():  # recorded on the CPU, materialized unit by unit, moved to the GPU
             model = TinyGPT(d=64)
     else:
         model = TinyGPT(d=64)
-    config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"}}
+    config = {"zero_optimization": {"stage": stage, **(zero or {})}, "bf16": {"enabled": precision == "bf16"}}
     engine = zeroshard.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2), config)
     assert engine.device.type == "cuda" and engine.config.overlap_comm  # the defaults: overlap, prefetch
     assert all(p.device == engine.device for p in model.parameters() if p.numel())
     assert all(b.device == engine.device for b in model.buffers())
+    for flat in engine.flats:  # offload: the master and the transfer buffers live pinned on the host
+        if flat.host is not None:
+            assert flat.master.device.type == "cpu" and flat.host.grad.is_pinned()
+            assert flat.host.staging is None or flat.host.staging.is_pinned()
+        if flat.shard_on_host:
+            assert flat.shard.is_pinned() and flat.grad_shard.device == engine.device
 
     def step(x, y, sometimes):
         loss = loss_fn(engine(x, use_sometimes=sometimes).float(), y)
@@ -90,6 +97,21 @@ def test_bf16_tracks_torch_amp(nccl_group, stage):
           what=f"stage {stage} bf16 against torch AMP")
 
 
+PINNED = {"device": "cpu", "pin_memory": True}
+OFFLOADS = {"optimizer": {"offload_optimizer": {"device": "cpu"}}, "params": {"offload_param": PINNED},
+            "both": {"offload_optimizer": {"device": "cpu"}, "offload_param": PINNED}}
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "optimizer"), (3, "optimizer"), (3, "params"), (3, "both")])
+def test_offload_matches_torch_on_the_gpu(nccl_group, stage, offload):
+    """The copies between host and GPU run on a side stream: fp32 must still match torch tightly,
+    and bf16 must track torch AMP."""
+    close(_zeroshard_losses(stage, "fp32", zero=OFFLOADS[offload]), _torch_losses(amp=False),
+          rtol=1e-4, atol=1e-5, what=f"stage {stage} offload {offload} fp32 on cuda")
+    close(_zeroshard_losses(stage, "bf16", zero=OFFLOADS[offload]), _torch_losses(amp=True),
+          rtol=0, atol=0.05, what=f"stage {stage} offload {offload} bf16 against torch AMP")
+
+
 def test_a_model_built_under_init_on_the_cpu_trains_on_the_gpu(nccl_group):
     close(_zeroshard_losses(3, "fp32", build_under_init=True), _torch_losses(amp=False),
           rtol=1e-4, atol=1e-5, what="zeroshard.init() model on cuda")
@@ -104,7 +126,7 @@ def test_under_the_cuda_sanitizer():
     done = subprocess.run([sys.executable, os.path.join(HERE, "sanitized_run.py")], capture_output=True,
                           text=True, env=env, timeout=600)
     assert done.returncode == 0 and "data race" not in done.stderr, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "trained stage 2" in done.stdout and "trained stage 3" in done.stdout
+    assert "trained stage 2" in done.stdout and "trained stage 3 with offload" in done.stdout
 
 
 def _cli(*args: str) -> str:

@@ -73,16 +73,23 @@ def test_fp32_formula(n):
     assert got[3].params == pytest.approx(4 * psi / n) and got[1].optimizer == pytest.approx(8 * psi / n)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_offload_moves_only_optimizer_state_to_host(stage):
     on_device = model_states(7.5e9, 64, stage, "bf16")
     offloaded = model_states(7.5e9, 64, stage, "bf16", offload_optimizer=True)
     assert on_device.host == 0 and on_device.device == on_device.total
-    assert offloaded.host == on_device.optimizer
+    # The host adds the transfer buffers: a bf16 gradient and a bf16 update per owned parameter.
+    assert offloaded.transfer == pytest.approx(4 * 7.5e9 / 64)
+    assert offloaded.host == pytest.approx(on_device.optimizer + offloaded.transfer)
     assert offloaded.device == pytest.approx(on_device.params + on_device.grads)
-    assert offloaded.device + offloaded.host == pytest.approx(on_device.total)
-    if stage == 3:
-        assert offloaded.host == pytest.approx(12 * 7.5e9 / 64)  # sharded on host as on device
+    assert offloaded.device + offloaded.host == pytest.approx(on_device.total + offloaded.transfer)
+    if stage == 3:  # sharded on host as on device: 12 + 4 bytes per owned parameter
+        assert offloaded.host == pytest.approx(16 * 7.5e9 / 64)
+        both = model_states(7.5e9, 64, 3, "bf16", offload_optimizer=True, offload_param=True)
+        assert both.device == pytest.approx(2 * 7.5e9 / 64)  # the gradient shard alone
+        assert both.host == pytest.approx((12 + 2 + 2) * 7.5e9 / 64)  # no update copy: shards are host
+    else:  # parameter offload is a stage-3 matter
+        assert model_states(7.5e9, 64, stage, "bf16", offload_param=True).host == 0
 
 
 def test_model_parallelism_splits_states_and_keeps_dp_degree():
@@ -196,7 +203,7 @@ def test_cli_tables():
 def test_cli_help_documents_every_option():
     out = zeroshard("--help").stdout
     for flag in ("--params", "--model", "--layers", "--width", "--hf-config", "--nproc", "--mp", "--stage",
-                 "--precision", "--offload-optimizer", "--table1", "--table2"):
+                 "--precision", "--offload-optimizer", "--offload-param", "--table1", "--table2"):
         assert flag in out
 
 

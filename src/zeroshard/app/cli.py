@@ -25,9 +25,18 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
                                                          "Python standard library's own source)")
-    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage and --precision override it)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage, --precision and the "
+                                    "--offload options override it)")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_offload_options(p: argparse.ArgumentParser) -> None:
+    # A bare --offload-optimizer means cpu, as the flag it replaces did. Not given: the config's.
+    p.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=["none", "cpu"],
+                   help="fp32 master weights and optimizer state in host memory (stage >= 1)")
+    p.add_argument("--offload-param", nargs="?", const="cpu", choices=["none", "cpu"],
+                   help="stage 3: parameter shards rest in host memory between uses")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +48,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
                                                           "--nproc) up to --steps in total")
     _add_training_options(p, steps=300)
+    _add_offload_options(p)
 
 
 def _compare_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,8 +80,7 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="fp32 Adam (4+4+8 bytes/param) or mixed-precision Adam (2+2+12) (default bf16)")
-    p.add_argument("--offload-optimizer", action="store_true",
-                   help="optimizer state in host memory: device and host bytes are reported apart")
+    _add_offload_options(p)
     p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
     p.add_argument("--table2", action="store_true",
                    help="print Table 2's theoretical columns recomputed and exit")
@@ -113,7 +122,8 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.nproc % args.mp:
         parser.error(f"--nproc ({args.nproc}) must be a multiple of --mp ({args.mp})")
     psi = _estimate_psi(parser, args)
-    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer, args.mp))
+    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer == "cpu", args.mp,
+                 args.offload_param == "cpu"))
 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
@@ -168,14 +178,14 @@ def _resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
     _resolve_device(parser, args)
+    import zeroshard
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
     options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
     train_args = TrainArgs(**options)
     try:  # fail here, in one process, rather than in every rank
         check_paths(args.data)
-        if args.config:
-            train_args.engine_config()
+        zeroshard.Config.load(train_args.engine_config())  # a bad config or flag: named here
         if args.hf_config:
             build_model(train_args)
     except (OSError, ValueError, RuntimeError) as e:

@@ -19,6 +19,10 @@ def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision
         lines.append(f"{rank:>6} {s['params'] / MIB:>10.2f} {s['grads'] / MIB:>10.2f} "
                      f"{s['optimizer'] / MIB:>10.2f} "
                      f"{s['model_states'] / MIB:>10.2f} {formula / MIB:>10.2f}")
+    if per_rank and per_rank[0].get("host"):  # offload: where the bytes are (transfer buffers included)
+        lines.append("offload, rank 0: " + f"{per_rank[0]['device'] / MIB:.2f} MiB on the device, "
+                     f"{per_rank[0]['host'] / MIB:.2f} MiB in host memory "
+                     f"({per_rank[0]['transfer'] / MIB:.2f} of it transfer buffers)")
     return lines
 
 

@@ -50,6 +50,14 @@ class Config(Settings):
         if cfg.zero.offload_optimizer and cfg.stage == 0:
             raise ConfigError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1 "
                               "(it offloads the optimizer's shard); raise the stage or remove it")
+        if cfg.zero.offload_param and cfg.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_param needs zero_optimization.stage 3 (only "
+                              f"stage 3 shards parameters), got stage {cfg.stage}; set the stage to 3 "
+                              f"or remove offload_param")
+        if cfg.delayed_param_update and not cfg.zero.offload_optimizer:
+            raise ConfigError("zeroshard.delayed_param_update overlaps the host optimizer step with the "
+                              "next forward and backward: it needs zero_optimization.offload_optimizer "
+                              "{\"device\": \"cpu\"}; add it or remove delayed_param_update")
         return cfg
 
 

@@ -19,7 +19,7 @@ NOT_IMPLEMENTED_TOP = {
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
 _NOT_IMPLEMENTED_ZERO = {
-    "offload_param", "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
@@ -73,7 +73,9 @@ def _zero(cfg: Settings, value: Any) -> None:
         elif key == "contiguous_gradients":
             z.contiguous_gradients = _as_bool(name, v)
         elif key == "offload_optimizer":
-            _offload_optimizer(cfg, v)
+            _offload(cfg, v, "offload_optimizer")
+        elif key == "offload_param":
+            _offload(cfg, v, "offload_param")
         elif key == "overlap_comm":
             z.overlap_comm = _as_bool(name, v)
         elif key in ("reduce_scatter", "allgather_partitions"):
@@ -85,7 +87,7 @@ def _zero(cfg: Settings, value: Any) -> None:
                               f"implement yet; remove it")
         else:
             accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
-            accepted.append("offload_optimizer")
+            accepted += ["offload_optimizer", "offload_param"]
             raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
 
 
@@ -170,19 +172,24 @@ def _clipping(cfg: Settings, value: Any) -> None:
     cfg.gradient_clipping = float(value)
 
 
-def _offload_optimizer(cfg: Settings, value: Any) -> None:
-    for key, v in _as_dict("zero_optimization.offload_optimizer", value).items():
-        name = f"zero_optimization.offload_optimizer.{key}"
+_NVME_KEYS = {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
+              "pipeline_read", "pipeline_write", "pipeline"}
+
+
+def _offload(cfg: Settings, value: Any, section: str) -> None:
+    """offload_optimizer / offload_param: {"device": "cpu" | "none", "pin_memory": bool}."""
+    pin = "offload_pin_memory" if section == "offload_optimizer" else "offload_param_pin_memory"
+    for key, v in _as_dict(f"zero_optimization.{section}", value).items():
+        name = f"zero_optimization.{section}.{key}"
         if key == "device":
             if v not in ("cpu", "none"):
                 hint = " (nvme is not implemented yet)" if v == "nvme" else ""
                 raise ConfigError(f"config key '{name}' must be \"cpu\" or \"none\", got {v!r}{hint}")
-            cfg.zero.offload_optimizer = v == "cpu"
+            setattr(cfg.zero, section, v == "cpu")
         elif key == "pin_memory":
-            cfg.zero.offload_pin_memory = _as_bool(name, v)
+            setattr(cfg.zero, pin, _as_bool(name, v))
         else:
-            _refuse(name, {"nvme_path", "buffer_count", "fast_init", "ratio", "pipeline_read",
-                           "pipeline_write", "pipeline"}, ["device", "pin_memory"])
+            _refuse(name, _NVME_KEYS, ["device", "pin_memory"])
 
 
 def _wall_clock(cfg: Settings, value: Any) -> None:
@@ -191,12 +198,12 @@ def _wall_clock(cfg: Settings, value: Any) -> None:
 
 def _zeroshard(cfg: Settings, value: Any) -> None:
     for key, v in _as_dict("zeroshard", value).items():
-        if key == "defer_param_gather":
-            cfg.defer_param_gather = _as_bool("zeroshard.defer_param_gather", v)
+        if key in ("defer_param_gather", "delayed_param_update"):
+            setattr(cfg, key, _as_bool(f"zeroshard.{key}", v))
             continue
         if key != "unit_modules":
             raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: defer_param_gather, "
-                              f"unit_modules")
+                              f"delayed_param_update, unit_modules")
         if v == "auto":
             cfg.unit_modules = None
         elif isinstance(v, list) and v and all(isinstance(s, str) for s in v):

@@ -41,6 +41,8 @@ class ZeroConfig:
     allgather_partitions: bool = True
     offload_optimizer: bool = False            # master weights + optimizer state on the host
     offload_pin_memory: bool = False
+    offload_param: bool = False                # stage 3: parameter shards at rest on the host
+    offload_param_pin_memory: bool = False
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Settings:
     communication_data_type: str | None = None  # gradient reduction dtype; None: the compute dtype
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
     defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
+    delayed_param_update: bool = False         # offload: the host step overlaps the next forward/backward
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -21,20 +21,23 @@ GB, GIB = 10**9, 2**30
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of model states one rank holds. Invariant: device + host == params + grads + optimizer."""
+    """Bytes of model states one rank holds. Invariant: device + host == total + transfer."""
 
     params: float
     grads: float
     optimizer: float
     offload_optimizer: bool = False
+    offload_param: bool = False   # stage 3 only: the parameter shards rest on the host
+    transfer: float = 0.0         # offload's host buffers: the gradient's and the update's copies
 
     @property
     def host(self) -> float:
-        return self.optimizer if self.offload_optimizer else 0.0
+        return (self.optimizer if self.offload_optimizer else 0.0) + \
+            (self.params if self.offload_param else 0.0) + self.transfer
 
     @property
     def device(self) -> float:
-        return self.params + self.grads + self.optimizer - self.host
+        return self.total + self.transfer - self.host
 
     @property
     def total(self) -> float:
@@ -42,13 +45,16 @@ class ModelStates:
 
 
 def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
-                 offload_optimizer: bool = False, mp: int = 1) -> ModelStates:
+                 offload_optimizer: bool = False, mp: int = 1, offload_param: bool = False) -> ModelStates:
     """Per-rank model states for Ψ = `psi` parameters on `nproc` GPUs with MP-way model parallelism.
 
     Each category is the paper's formula with the other two byte counts set to zero, so the sum is
     exactly paper_model_state_bytes(psi / mp, nproc / mp, stage, p, g, k). Offload (ZeRO-Offload
     style) moves the optimizer state, fp32 master weights included, to host memory; what is sharded
-    stays sharded, so the host holds the same kΨ/N per rank the device would have.
+    stays sharded, so the host holds the same kΨ/N per rank the device would have, plus zeroshard's
+    transfer buffers: the reduced gradient's copy (g bytes per owned parameter) and the update's on
+    its way up (p bytes; none where the parameter shards themselves are on the host). Parameter
+    offload applies at stage 3, the one stage that shards parameters.
     """
     if psi < 0:
         raise ValueError(f"parameter count must be >= 0, got {psi}")
@@ -56,9 +62,13 @@ def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
         raise ValueError(f"nproc ({nproc}) must be a positive multiple of mp ({mp})")
     p, g, k = BYTES_PER_PARAM[precision]
     slice_psi, dp = psi / mp, nproc // mp
+    params_on_host = offload_param and stage == 3
+    owned = slice_psi / dp if stage >= 1 else slice_psi
+    transfer = owned * (g + (0 if params_on_host else p)) if offload_optimizer and stage >= 1 else 0.0
     return ModelStates(paper_model_state_bytes(slice_psi, dp, stage, p, 0, 0),
                        paper_model_state_bytes(slice_psi, dp, stage, 0, g, 0),
-                       paper_model_state_bytes(slice_psi, dp, stage, 0, 0, k), offload_optimizer)
+                       paper_model_state_bytes(slice_psi, dp, stage, 0, 0, k), offload_optimizer,
+                       params_on_host, transfer)
 
 
 def max_params(device_bytes: float, gpus: int, mp: int, stage: int, precision: str = "bf16") -> float:
@@ -205,23 +215,26 @@ def _units(nbytes: float) -> tuple[str, float, str, float]:
 
 
 def report(psi: float, nproc: int, stage: int, precision: str = "bf16", offload_optimizer: bool = False,
-           mp: int = 1) -> str:
+           mp: int = 1, offload_param: bool = False) -> str:
     """What `zeroshard estimate` prints: the chosen stage by category, then stages 0-3 side by side."""
     p, g, k = BYTES_PER_PARAM[precision]
     where = "host (offloaded)" if offload_optimizer else "device"
+    if offload_param:
+        where += "; parameters on host at stage 3 (offloaded)"
     unit, scale, bunit, bscale = _units(model_states(psi, nproc, 0, precision, mp=mp).total)
     lines = [f"Ψ = {psi:,.0f} parameters on {nproc} GPUs (DP {nproc // mp} x MP {mp}), {precision}: "
              f"p = {p}, g = {g}, k = {k} bytes per parameter; optimizer state on {where}",
              f"stage {stage}, model states per rank:"]
-    s = model_states(psi, nproc, stage, precision, offload_optimizer, mp)
+    s = model_states(psi, nproc, stage, precision, offload_optimizer, mp, offload_param)
     for name, value in [("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer),
-                        ("device total", s.device), ("host total", s.host), ("total", s.total)]:
+                        ("transfer", s.transfer), ("device total", s.device), ("host total", s.host),
+                        ("total", s.total + s.transfer)]:
         lines.append(f"  {name:<13}{value:>20,.0f} B {value / GB:>12,.3f} GB {value / GIB:>12,.3f} GiB")
     lines += [f"all stages, per rank ({unit}, and {bunit} for the device total):",
               f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'device':>11} {'host':>11}"
               f" {'device ' + bunit:>11}"]
     for st in (0, 1, 2, 3):
-        s = model_states(psi, nproc, st, precision, offload_optimizer, mp)
+        s = model_states(psi, nproc, st, precision, offload_optimizer, mp, offload_param)
         cells = [s.params, s.grads, s.optimizer, s.device, s.host]
         mark = "*" if st == stage else " "
         lines.append(f"{mark}{st:>4} " + " ".join(f"{v / scale:>11,.3f}" for v in cells)
