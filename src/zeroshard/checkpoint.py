@@ -256,7 +256,12 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
             for key in (meta["elementwise"] if flat.trainable else []):
                 optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        group.update(saved)
+        # Hyperparameters come from the checkpoint; how this run computes them (a fused CPU kernel
+        # over offloaded shards, or not) stays this run's.
+        group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS})
+
+
+_IMPLEMENTATION_KEYS = {"fused", "foreach", "capturable", "differentiable"}
 
 
 # ---- offline ------------------------------------------------------------------------------------

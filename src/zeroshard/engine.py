@@ -276,6 +276,8 @@ class Engine:
         any world size and stage; returns the saved client_state. Nothing changes if it fails."""
         self._free_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
+        for flat in self.flats:
+            flat.await_host_read()  # an offloaded shard is written in place
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
             for flat in self.flats:

@@ -90,6 +90,7 @@ class FlatParam:
         elif policy.shard_params:
             self.shard = self.shard.clone()
         self.copier = copier
+        self._host_read: "torch.cuda.Event | None" = None  # the last copy up of a host shard
         self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
         self.state = ParamState.GATHERED
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
@@ -169,12 +170,21 @@ class FlatParam:
             self._gathering = self._all_gather(self.full, self._shard_on_device(), async_op=True)
         self._set_state(ParamState.GATHERING)
 
+    def await_host_read(self) -> None:
+        """Before the host writes an offloaded shard: wait for the last copy that reads it."""
+        if self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
+
     def _shard_on_device(self) -> torch.Tensor:
         """The shard, ready for a collective to read: a host shard is copied up into its own place
         in `full` (the all-gather then runs in place); an uploaded update is waited for."""
         if self.shard_on_host:
             own = self.full[self.range[0]:self.range[1]]
             own.copy_(self.shard, non_blocking=True)  # pinned: ordered on the compute stream, host free
+            if own.is_cuda:  # the host must not write the shard until this copy has read it
+                self._host_read = torch.cuda.Event()
+                self._host_read.record()
             return own
         if self.host is not None:
             self.host.before_device_read()
@@ -329,6 +339,7 @@ class FlatParam:
             if self.master is not updated and self.host is not None and not self.shard_on_host:
                 self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously
             elif self.master is not updated:
+                self.await_host_read()
                 updated.copy_(self.master)
             if not (self.policy.shard_optimizer and self.persistent):
                 return

@@ -45,6 +45,7 @@ class Copier:
         self._worker: ThreadPoolExecutor | None = None
         self._update: Future | None = None
         self._then: Callable[[], None] = lambda: None
+        self._error: BaseException | None = None
         self.unwritten = False  # an update is done (or in flight) that the parameters lack
 
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
@@ -75,12 +76,19 @@ class Copier:
         self._update, self._then = self._worker.submit(update), then
         self.unwritten = True  # the parameters have not seen this update yet
 
-    def finish_update(self) -> None:
-        """Wait for the update in flight, if any, re-raising its error."""
+    def finish_update(self, raise_error: bool = True) -> None:
+        """Wait for the update in flight, if any, and re-raise its error — or, with raise_error
+        False (inside a backward hook, where raising on one rank would leave its peers waiting in
+        collectives), keep the error for the next call that may raise (step(), a checkpoint)."""
         update, self._update = self._update, None
         if update is not None:
-            update.result()
-            self._then()
+            if update.exception() is None:
+                self._then()
+            else:  # a half-updated master must not reach the parameters
+                self._error, self.unwritten = update.exception(), False
+        error, self._error = (self._error, None) if raise_error else (None, self._error)
+        if error is not None:
+            raise error
 
 class HostCopies:
     """The host side of one trainable flat buffer under optimizer offload; see the module notes."""
@@ -93,7 +101,8 @@ class HostCopies:
         self.staging = None if param_dtype is None else copier.host_empty(numel, param_dtype)
         self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
         self._downloaded: "torch.cuda.Event | None" = None
-        self._uploaded: "torch.cuda.Event | None" = None
+        self._uploaded: "torch.cuda.Event | None" = None     # for the shard's next reader
+        self._staging_read: "torch.cuda.Event | None" = None  # for the next write to `staging`
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +112,7 @@ class HostCopies:
         """Start copying the reduced gradient to the host, unless `grad` already holds this version."""
         if version == self._grad_version:
             return
-        self.copier.finish_update()  # the delayed update may still be reading the last step's `grad`
+        self.copier.finish_update(raise_error=False)  # the delayed update may still read `grad`
         self._downloaded = self.copier.copy(self.grad, device_grad)
         self._grad_version = version
 
@@ -124,10 +133,10 @@ class HostCopies:
     def upload(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
         """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
         before_device_read() orders the shard's next reader after it."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the previous upload still reads `staging`
+        if self._staging_read is not None:
+            self._staging_read.synchronize()  # the previous upload may still read `staging`
         self.staging.copy_(master)
-        self._uploaded = self.copier.copy(device_shard, self.staging)
+        self._uploaded = self._staging_read = self.copier.copy(device_shard, self.staging)
 
     def before_device_read(self) -> None:
         """Order the compute stream (and so the collectives issued from it) after the upload."""

@@ -129,6 +129,8 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
         scaler.update(overflow, step)
     if delayed is not None:
         delayed.finish_update()
+        for f in trainable:  # (also: every gather of backward that reads a host shard is done)
+            f.fetch_grad()
         if delayed.unwritten:
             _write_back(trainable)
             delayed.unwritten = False

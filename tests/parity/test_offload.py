@@ -4,6 +4,8 @@ its own definition, and an offloaded stage-3 shard must be the only lasting copy
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 
 import pytest
 import torch
@@ -174,6 +176,14 @@ def _fused(rank: int, world_size: int) -> None:
                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, OPTIMIZER)
     engine = zeroshard.initialize(TinyGPT(), None, config)
     assert engine.optimizer.defaults["fused"] is True
+    # A checkpoint carries hyperparameters, not how a run computes them: each side keeps its kernel.
+    plain = zeroshard.initialize(TinyGPT(), None, {**config, "zero_optimization": {"stage": 2}})
+    with tempfile.TemporaryDirectory() as d:
+        engine.save_checkpoint(d)
+        plain.load_checkpoint(d)
+        plain.save_checkpoint(d, tag="plain")
+        engine.load_checkpoint(os.path.join(d, "plain"))
+    assert engine.optimizer.param_groups[0]["fused"] is True and not plain.optimizer.param_groups[0]["fused"]
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -192,3 +202,20 @@ def _fused(rank: int, world_size: int) -> None:
 
 def test_offload_uses_the_fused_cpu_kernel():
     spawn(_fused, 1)
+
+
+def test_a_failed_delayed_update_is_raised_at_the_step_not_in_backward():
+    """The worker's error waits for a call that may raise on every rank alike (step, checkpoint):
+    raising inside a backward hook on one rank would leave its peers in their collectives. The
+    half-done update never reaches the parameters, and the scheduler does not step for it."""
+    from zeroshard.offload import Copier
+    copier, stepped = Copier(torch.device("cpu")), []
+
+    def update() -> None:
+        raise MemoryError("host out of memory")
+    copier.start_update(update, then=lambda: stepped.append(1))
+    copier.finish_update(raise_error=False)  # what a gradient's download does, inside backward
+    assert not copier.unwritten and not stepped
+    with pytest.raises(MemoryError, match="host out of memory"):
+        copier.finish_update()
+    copier.finish_update()  # raised once: the engine can go on (or be dropped)
