@@ -73,13 +73,18 @@ def make_step(name: str, model, device, args: argparse.Namespace):
     return step
 
 
-def worker(name: str, args: argparse.Namespace) -> dict:
+def start_process_group(args: argparse.Namespace):
+    """The process group for `args.device` (NCCL on cuda, gloo on cpu); returns this rank's device."""
     import torch
     import zeroshard
     device = torch.device(args.device)
     zeroshard.ensure_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+
+
+def worker(name: str, args: argparse.Namespace) -> dict:
+    import torch
+    device = start_process_group(args)
     model, vocab = build_model(args)
     step = make_step(name, model, device, args)
     g = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_step import LLAMA_1B, OUT, TINY  # noqa: E402
+from gpu_step import LLAMA_1B, OUT, TINY, start_process_group  # noqa: E402
 
 SHAPES = {"small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096),  # for CPU runs
@@ -129,11 +129,7 @@ def _timed(forward, backward, update, device):
 
 def worker(name: str, args: argparse.Namespace) -> dict:
     import torch
-    import zeroshard
-    device = torch.device(args.device)
-    zeroshard.ensure_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = start_process_group(args)
     model, vocab = build_model(args)
     step = make_step(name, model, device, args)
     g = torch.Generator().manual_seed(1)
