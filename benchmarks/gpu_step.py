@@ -28,10 +28,11 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256)
 
 
-def build_model(args: argparse.Namespace):
+def build_model(args: argparse.Namespace, shape: dict | None = None):
+    """An HF Llama of `shape` (default: --tiny's, else the 1.1B one), seeded alike for every run."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    shape = TINY if args.tiny else LLAMA_1B
+    shape = shape or (TINY if args.tiny else LLAMA_1B)
     config = LlamaConfig(**shape, max_position_embeddings=args.seq, tie_word_embeddings=False)
     torch.manual_seed(0)
     return LlamaForCausalLM(config), shape["vocab_size"]
@@ -103,8 +104,8 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     return {"name": name, "step_s": statistics.median(times), "loss": loss, "peak_gib": peak / 2**30}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ---- shared with offload.py: options, one fresh process per run, the report files ----------
+def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="a 2-layer, width-64 Llama (smoke test)")
     p.add_argument("--seq", type=int, default=1024)
@@ -112,26 +113,59 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=7, help="timed steps (default 7: steps 4-10)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def parse_run_args(p: argparse.ArgumentParser, worker_fn) -> argparse.Namespace | None:
+    """The options; in a --worker process, runs worker_fn(name, args), prints its RESULT, and
+    returns None."""
     args = p.parse_args()
     if args.tiny:
         args.seq, args.batch = min(args.seq, 32), min(args.batch, 2)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        print("RESULT " + json.dumps(worker_fn(args.worker, args)), flush=True)
+        return None
+    return args
+
+
+def run_worker(script: str, name: str, port: int, extra: list[str] = ()) -> dict | None:
+    """`script --worker name` with this run's options (and `extra`) in a fresh world of one process."""
+    cmd = [sys.executable, script, "--worker", name, *sys.argv[1:], *extra]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{name}: failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}", flush=True)
+        return None
+    return json.loads(line[7:])
+
+
+def write(stem: str, lines: list[str], data: dict) -> None:
+    """Print the table and keep it, with the raw data, under benchmarks/out/."""
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_options(p)
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    args = parse_run_args(p, worker)
+    if args is None:
         return
     results: dict[str, list[dict]] = {n: [] for n in args.impls}
     for round_ in range(args.rounds):
-        for name in args.impls:
-            cmd = [sys.executable, __file__, "--worker", name] + [a for a in sys.argv[1:]]
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + round_)}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                print(f"{name}: failed\n{done.stderr[-2000:]}", flush=True)
-                continue
-            results[name].append(json.loads(line[7:]))
-            print(f"round {round_ + 1}: {name} {results[name][-1]['step_s']:.3f} s", flush=True)
+        for i, name in enumerate(args.impls):
+            r = run_worker(__file__, name, 29600 + 20 * round_ + i)
+            if r is not None:
+                results[name].append(r)
+                print(f"round {round_ + 1}: {name} {r['step_s']:.3f} s", flush=True)
     tokens = args.batch * args.seq
     lines = [f"{'run':<13} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"]
     for name, runs in results.items():
@@ -139,13 +173,7 @@ def main() -> None:
             s = statistics.median(r["step_s"] for r in runs)
             lines.append(f"{name:<13} {s:>8.3f} {tokens / s:>10,.0f} {runs[-1]['peak_gib']:>13.2f} "
                          f"{runs[-1]['loss']:>10.4f}")
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "gpu_step.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(OUT, "gpu_step.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write("gpu_step", lines, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_step import LLAMA_1B, OUT, TINY, start_process_group  # noqa: E402
+from gpu_step import (LLAMA_1B, TINY, add_run_options, build_model as build_llama, parse_run_args,  # noqa: E402
+                      run_worker, start_process_group, write)
 
 SHAPES = {"small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=4096),  # for CPU runs
@@ -59,14 +58,10 @@ def available(device: str) -> list[str]:
 
 
 def build_model(args: argparse.Namespace):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     shape = dict(TINY if args.tiny else SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-    config = LlamaConfig(**shape, max_position_embeddings=args.seq, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config), shape["vocab_size"]
+    return build_llama(args, shape)
 
 
 def make_step(name: str, model, device, args: argparse.Namespace):
@@ -131,6 +126,7 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     import torch
     device = start_process_group(args)
     model, vocab = build_model(args)
+    params = sum(p.numel() for p in model.parameters())  # before stage 3 leaves placeholders
     step = make_step(name, model, device, args)
     g = torch.Generator().manual_seed(1)
     times, updates, loss = [], [], float("nan")
@@ -146,19 +142,7 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {"name": name, "step_s": statistics.median(times), "update_s": statistics.median(updates),
             "loss": loss, "peak_gib": peak / 2**30, "rss_gib": rss / 2**30,
-            "params": sum(p.numel() for p in model.parameters())}
-
-
-def run_worker(name: str, args: argparse.Namespace, port: int, extra: list[str] = ()) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", name, *sys.argv[1:], *extra]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        print(f"{name}: failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}", flush=True)
-        return None
-    return json.loads(line[7:])
+            "params": params}
 
 
 def largest(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -170,13 +154,13 @@ def largest(args: argparse.Namespace, names: list[str]) -> list[str]:
         def trains(layers: int) -> bool:
             nonlocal port
             port += 1
-            fits[layers] = run_worker(name, args, port, ["--layers", str(layers), "--batch", "1",
+            fits[layers] = run_worker(__file__, name, port, ["--layers", str(layers), "--batch", "1",
                                                           "--warmup", "1", "--steps", "1"])
             return fits[layers] is not None
         lo, hi = 0, 8
-        while trains(hi) and hi < 4096:
+        while hi <= 4096 and trains(hi):
             lo, hi = hi, hi * 2
-        while hi - lo > 1:
+        while hi - lo > 1 and lo < 4096:  # (at the cap, `lo` is a lower bound)
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if trains(mid) else (lo, mid)
         params = fits[lo]["params"] if lo else 0
@@ -187,25 +171,15 @@ def largest(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--tiny", action="store_true", help="a 2-layer, width-64 Llama (smoke test)")
+    add_run_options(p)
     p.add_argument("--shape", default="1.1b", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, help="override the shape's number of layers")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
                    help="compute dtype (bf16 matmuls are slow on most CPUs: use fp32 there)")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=7, help="timed steps (default 7: steps 4-10)")
-    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--impls", nargs="+", choices=list(ZEROSHARD) + list(DEEPSPEED) + FSDP)
     p.add_argument("--largest", action="store_true", help="search the largest model per offloading run")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.tiny:
-        args.seq, args.batch = min(args.seq, 32), min(args.batch, 2)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+    args = parse_run_args(p, worker)
+    if args is None:
         return
     here = available(args.device)
     skipped = [n for n in list(ZEROSHARD) + list(DEEPSPEED) + FSDP if n not in here]
@@ -219,7 +193,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {n: [] for n in names}
     for round_ in range(args.rounds):
         for i, name in enumerate(names):
-            r = run_worker(name, args, 29600 + 20 * round_ + i)
+            r = run_worker(__file__, name, 29600 + 20 * round_ + i)
             if r is not None:
                 results[name].append(r)
                 print(f"round {round_ + 1}: {name} {r['step_s']:.3f} s", flush=True)
@@ -232,16 +206,6 @@ def main() -> None:
             lines.append(f"{name:<28} {s:>8.3f} {tokens / s:>10,.0f} {u:>9.3f} {runs[-1]['peak_gib']:>13.2f} "
                          f"{max(r['rss_gib'] for r in runs):>13.2f} {runs[-1]['loss']:>10.4f}")
     write("offload", lines, {"args": vars(args), "results": results})
-
-
-def write(stem: str, lines: list[str], data: dict) -> None:
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, f"{stem}.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(OUT, f"{stem}.json"), "w") as f:
-        json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":
