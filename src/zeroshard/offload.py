@@ -146,6 +146,8 @@ class HostCopies:
 
 
 _SLOW_WARNED: set[str] = set()
+# torch optimizers with a fused CPU kernel (torch >= 2.4).
+_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
 def warn_if_slow(optimizer: torch.optim.Optimizer) -> None:
@@ -153,9 +155,8 @@ def warn_if_slow(optimizer: torch.optim.Optimizer) -> None:
     kernel runs several times slower (foreach: 1.13 s against 0.21 s per step over 1.1e9 fp32
     elements on 16 cores)."""
     name = type(optimizer).__name__
-    fused_kind = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
-                                        torch.optim.Adagrad))
-    if fused_kind and not optimizer.defaults.get("fused") and name not in _SLOW_WARNED:
+    slow = isinstance(optimizer, _FUSED_ON_CPU) and not optimizer.defaults.get("fused")
+    if slow and name not in _SLOW_WARNED:
         _SLOW_WARNED.add(name)
         logger.warning("offload_optimizer: %s runs over host shards without its fused CPU kernel, "
                        "several times slower; build it with fused=True (e.g. lambda p: "
@@ -166,8 +167,6 @@ def warn_if_slow(optimizer: torch.optim.Optimizer) -> None:
 def prefer_fused(cls: type, kwargs: dict) -> dict:
     """A config-built optimizer over host shards gets torch's fused CPU kernel where it has one,
     unless the config chose an implementation itself."""
-    fused_kind = isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW,
-                                                            torch.optim.SGD, torch.optim.Adagrad))
-    if fused_kind and not {"fused", "foreach"} & set(kwargs):
+    if isinstance(cls, type) and issubclass(cls, _FUSED_ON_CPU) and not {"fused", "foreach"} & set(kwargs):
         return {**kwargs, "fused": True}
     return kwargs

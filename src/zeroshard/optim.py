@@ -127,10 +127,13 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     overflow = scaler.enabled and not torch.isfinite(torch.tensor(norm)).item()
     if scaler.enabled:
         scaler.update(overflow, step)
+    # Offload: wait for the gradients on the host, on this thread (never the worker's: the copies
+    # are this thread's). This also outlasts every gather of backward that read a host shard, so
+    # the delayed write-back below may write the shards.
+    for f in trainable:
+        f.fetch_grad()
     if delayed is not None:
         delayed.finish_update()
-        for f in trainable:  # (also: every gather of backward that reads a host shard is done)
-            f.fetch_grad()
         if delayed.unwritten:
             _write_back(trainable)
             delayed.unwritten = False
@@ -139,8 +142,6 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     factor = 1.0 / scaler.scale
     if max_norm > 0:
         factor *= min(1.0, max_norm / (norm + 1e-6))
-    for f in trainable:
-        f.fetch_grad()  # offload: on this thread, never the worker's (the copies are this thread's)
     if delayed is None:
         _update(trainable, optimizer, factor, sub_group_size, write_back=True)
         after_update()
