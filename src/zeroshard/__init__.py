@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
+from .checkpoint import info as checkpoint_info
 from .checks import ModelMismatchError
 from .comm import Comm, gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
@@ -22,7 +23,7 @@ from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec
 from .paper import paper_model_state_bytes
 
-__all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "Config", "ConfigError",
+__all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "checkpoint_info", "Config", "ConfigError",
            "CheckpointError", "Engine", "ModelMismatchError", "paper_model_state_bytes",
            "ensure_process_group", "rank_and_world_size", "mean_over_ranks", "gather_objects",
            "tensor_bytes", "optimizer_state_bytes"]

@@ -128,8 +128,11 @@ def _commit(directory: str, tmp: str, final: str, tag: str) -> None:
 
 
 # ---- load -----------------------------------------------------------------------------------------
-def resolve(path: str) -> str:
-    """A checkpoint directory, or a parent holding `latest`."""
+def resolve(path: str, missing_ok: bool = False) -> str | None:
+    """A checkpoint directory, or a parent holding `latest`. With missing_ok, a path that does not
+    exist or an empty directory (nothing saved yet) gives None instead of an error."""
+    if missing_ok and (not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))):
+        return None
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
     if os.path.isfile(os.path.join(path, LATEST)):
@@ -143,6 +146,16 @@ def resolve(path: str) -> str:
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted "
                               f"save, or not a zeroshard checkpoint directory")
     return path
+
+
+def info(path: str, missing_ok: bool = False) -> dict[str, Any] | None:
+    """What a checkpoint holds besides tensors, read without a process group: its path, tag,
+    global_steps, world_size, stage, config and client_state. None if missing (with missing_ok)."""
+    resolved = resolve(path, missing_ok)
+    if resolved is None:
+        return None
+    extra = read_meta(resolved, no_dist=True)["extra"]
+    return {"path": resolved, "tag": os.path.basename(resolved), **extra}
 
 
 def read_meta(path: str, process_group=None, no_dist: bool = False) -> dict[str, Any]:

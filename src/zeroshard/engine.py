@@ -271,9 +271,14 @@ class Engine:
             return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.flats, self.optimizer,
                                    self.comm, self._buffers, extra)
 
-    def load_checkpoint(self, load_dir: str) -> Any:
+    def load_checkpoint(self, load_dir: str, missing_ok: bool = False) -> Any:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
-        any world size and stage; returns the saved client_state. Nothing changes if it fails."""
+        any world size and stage; returns the saved client_state. Nothing changes if it fails.
+        With missing_ok, a missing or empty directory is no error: it logs a line and returns None,
+        so "resume if there is anything to resume" is one call."""
+        if checkpoint.resolve(load_dir, missing_ok) is None:
+            logger.info("no checkpoint in '%s': starting from the model's own values", load_dir)
+            return None
         self._free_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
         for flat in self.flats:

@@ -196,21 +196,42 @@ def _wall_clock(cfg: Settings, value: Any) -> None:
     _refuse_true("wall_clock_breakdown", value, "no timers are kept")
 
 
+_ZEROSHARD_KEYS = ["check_collectives", "collective_timeout", "defer_param_gather", "delayed_param_update",
+                   "on_nonfinite", "unit_modules"]
+
+
 def _zeroshard(cfg: Settings, value: Any) -> None:
     for key, v in _as_dict("zeroshard", value).items():
+        name = f"zeroshard.{key}"
         if key in ("defer_param_gather", "delayed_param_update"):
-            setattr(cfg, key, _as_bool(f"zeroshard.{key}", v))
-            continue
-        if key != "unit_modules":
-            raise ConfigError(f"unknown config key 'zeroshard.{key}'; accepted: defer_param_gather, "
-                              f"delayed_param_update, unit_modules")
-        if v == "auto":
-            cfg.unit_modules = None
-        elif isinstance(v, list) and v and all(isinstance(s, str) for s in v):
-            cfg.unit_modules = list(v)
+            setattr(cfg, key, _as_bool(name, v))
+        elif key == "unit_modules":
+            cfg.unit_modules = _unit_modules(v)
+        elif key == "check_collectives":  # true: every step; an integer K: every K steps
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            if not (isinstance(v, bool) or ok):
+                raise ConfigError(f"config key '{name}' must be true, false or a number of steps >= 0, "
+                                  f"got {v!r}")
+            cfg.check_collectives = int(v)
+        elif key == "collective_timeout":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"config key '{name}' must be a number of seconds > 0, got {v!r}")
+            cfg.collective_timeout = float(v)
+        elif key == "on_nonfinite":
+            if v not in ("raise", "skip"):
+                raise ConfigError(f"config key '{name}' must be \"raise\" or \"skip\", got {v!r}")
+            cfg.on_nonfinite = v
         else:
-            raise ConfigError(f"config key 'zeroshard.unit_modules' must be \"auto\" or a non-empty list "
-                              f"of module class names, got {v!r}")
+            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ZEROSHARD_KEYS)}")
+
+
+def _unit_modules(v: Any) -> list[str] | None:
+    if v == "auto":
+        return None
+    if isinstance(v, list) and v and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise ConfigError(f"config key 'zeroshard.unit_modules' must be \"auto\" or a non-empty list "
+                      f"of module class names, got {v!r}")
 
 
 TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {

@@ -84,6 +84,9 @@ class Settings:
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
     defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
     delayed_param_update: bool = False         # offload: the host step overlaps the next forward/backward
+    check_collectives: int = 0                 # compare ranks' collective histories every K steps (0: off)
+    collective_timeout: float = 600.0          # seconds a collective may wait before the stall is diagnosed
+    on_nonfinite: str = "raise"                # bf16/fp32: a NaN/inf gradient "raise"s or "skip"s the step
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
