@@ -18,15 +18,17 @@ from .comm import Comm, gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
 from .construct import init, is_deferred, materialize
 from .devices import ensure_process_group
+from .diverge import DivergenceError
+from .nonfinite import NonFiniteError
 from .engine import Engine
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec
 from .paper import paper_model_state_bytes
 
 __all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "checkpoint_info", "Config",
-           "ConfigError", "CheckpointError", "Engine", "ModelMismatchError", "paper_model_state_bytes",
-           "ensure_process_group", "rank_and_world_size", "mean_over_ranks", "gather_objects",
-           "tensor_bytes", "optimizer_state_bytes"]
+           "ConfigError", "CheckpointError", "DivergenceError", "NonFiniteError", "Engine",
+           "ModelMismatchError", "paper_model_state_bytes", "ensure_process_group", "rank_and_world_size",
+           "mean_over_ranks", "gather_objects", "tensor_bytes", "optimizer_state_bytes"]
 __version__ = "0.1.0"
 
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from enum import Enum
-from typing import ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 
 from .devices import group_device
+from .diverge import Watch
 from .states import temporarily
 
 
@@ -48,6 +49,16 @@ def complete(pending: Pending) -> None:
         if then is not None:
             then()
     pending.clear()
+
+
+class _Watched:
+    """An issued collective whose wait is bounded and diagnosed (Comm.watch)."""
+
+    def __init__(self, work: dist.Work, watch: Watch, kind: str) -> None:
+        self.work, self.watch, self.kind = work, watch, kind
+
+    def wait(self) -> None:
+        self.watch.wait(self.work, self.kind)
 
 
 class Kind(str, Enum):
@@ -80,6 +91,8 @@ class Comm:
         self.largest_bucket = 0  # bytes of the largest staging buffer built (constant: the CB claim)
         self.last_step = _fresh()
         self._counting_step = True
+        self.watch: Watch | None = None  # an engine's: fingerprints, checks, bounded waits (diverge.py)
+        self.label = ""  # what the next collectives are about ("unit 3 (h.2)"), for the fingerprints
 
     def _count(self, kind: Kind, nbytes: int) -> None:
         targets = [self.total, self.window] if self._counting_step else [self.total]
@@ -87,26 +100,49 @@ class Comm:
             table[kind].calls += 1
             table[kind].bytes += nbytes
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work:
+    def _issue(self, kind: str, tensor: torch.Tensor, bucket: int, async_op: bool,
+               call: Callable[[bool], Work]) -> Work:
+        """Issue `call(async_op)`; under a watch, fingerprinted, and waited for with a bound."""
+        watch = self.watch
+        if watch is None:
+            return call(async_op)
+        watch.record(kind, self.label, bucket, tensor.numel(), tensor.dtype)
+        work = watch.guard(lambda: call(True))
+        if async_op:
+            return _Watched(work, watch, kind)
+        watch.wait(work, kind)
+        return None
+
+    def about(self, label: str) -> ContextManager[None]:
+        """Collectives inside are fingerprinted as being about `label`."""
+        return temporarily(self, "label", label)
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, bucket: int = 0) -> Work:
         """Sum `tensor` over ranks, in place."""
         self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * tensor.element_size())
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op)
+        return self._issue("all_reduce", tensor, bucket, async_op,
+                           lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   bucket: int = 0) -> Work:
         """output = concatenation of every rank's `shard` (shard may alias its slice of output)."""
         self._count(Kind.ALL_GATHER, output.numel() * output.element_size())
-        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        return self._issue("all_gather", output, bucket, async_op,
+                           lambda a: _all_gather_flat(output, shard, group=self.group, async_op=a))
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
+                       bucket: int = 0) -> Work:
         """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
         With async_op, returns a handle to wait on; `full` must stay alive until then."""
         self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
-        return _reduce_scatter_flat(output, full, group=self.group, async_op=async_op)
+        return self._issue("reduce_scatter", full, bucket, async_op,
+                           lambda a: _reduce_scatter_flat(output, full, group=self.group, async_op=a))
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src_rank) if self.group else src_rank,
-                       group=self.group)
+        src = dist.get_global_rank(self.group, src_rank) if self.group else src_rank
+        self._issue("broadcast", tensor, 0, False,
+                    lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a))
 
     # ---- bucketed collectives: constant-size buffers (the paper's CB), any reduction dtype -----
     def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
@@ -118,10 +154,10 @@ class Comm:
             pending.append((self.all_gather(full, shard, async_op), None, shard))
         else:
             rows = full.view(self.world_size, -1)
-            for a, b in chunks:
+            for i, (a, b) in enumerate(chunks):
                 bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
                 self._staged(bucket)
-                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op)
+                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op, bucket=i)
                 pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
                     bucket.view(self.world_size, b - a)), bucket))
         if not async_op:
@@ -139,11 +175,11 @@ class Comm:
             pending.append((self.reduce_scatter(out, full, async_op), None, full))
         else:
             rows = full.view(n, -1)
-            for a, b in chunks:  # one column block of every rank's part, converted on the way
+            for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
                 bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
                 self._staged(bucket)
                 reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-                work = self.reduce_scatter(reduced, bucket, async_op)
+                work = self.reduce_scatter(reduced, bucket, async_op, bucket=i)
                 target = out[a:b]
                 pending.append((work, (lambda t=target, r=reduced: t.add_(r)) if accumulate
                                 else (lambda t=target, r=reduced: t.copy_(r)), bucket))
@@ -163,7 +199,7 @@ class Comm:
             bucket.div_(self.world_size)
             copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
                 if bucket.dtype != full.dtype else None
-            pending.append((self.all_reduce(bucket, async_op), copy_back, bucket))
+            pending.append((self.all_reduce(bucket, async_op, bucket=a // step), copy_back, bucket))
         if not async_op:
             complete(pending)
         return pending
@@ -190,7 +226,7 @@ class Comm:
 
     def barrier(self) -> None:
         """Wait for every rank (moves no data, so nothing is counted)."""
-        dist.barrier(group=self.group)
+        self._issue("barrier", torch.empty(0), 0, False, lambda a: dist.barrier(group=self.group, async_op=a))
 
     def end_step(self) -> None:
         self.last_step, self.window = self.window, _fresh()

@@ -24,6 +24,8 @@ from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
+from .diverge import Watch
+from .nonfinite import NonFiniteGuard
 from .offload import Copier
 from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
@@ -59,6 +61,8 @@ class Engine:
                  param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
         check_module_type(module)
         check_placement(module, comm.device)  # local and alike on every rank: before any collective
+        comm.watch = Watch(comm.rank, comm.world_size, config.collective_timeout, config.check_collectives,
+                           on_cuda=comm.device.type == "cuda")  # from the first collective on
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
@@ -80,6 +84,7 @@ class Engine:
         offloads = self.precision.offload or self.precision.offload_params
         self.copier = Copier(comm.device) if offloads else None  # host<->device copies (offload.py)
         self.scaler = LossScaler(config.scaler)
+        self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
         build_optimizer(optimizer, config, [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options])
@@ -153,10 +158,16 @@ class Engine:
                              copier=self.copier)
             self.flats.append(flat)  # as soon as it exists, so a failure later can undo it
             return flat
-        return build_units(self.module, self.config.unit_modules, group_of, new_flat)
+        units = build_units(self.module, self.config.unit_modules, group_of, new_flat)
+        for u, unit in enumerate(units):  # what fingerprints and error messages call each buffer
+            for flat in unit.flats:
+                group = f", group {flat.group}" if len(unit.flats) > 1 else ""
+                flat.label = f"unit {u} ({unit.name or 'root'}{group})"
+        return units
 
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.comm.watch.clock.phase = "forward"
         return self.module(*args, **kwargs)
 
     @property
@@ -176,6 +187,10 @@ class Engine:
         yet reduced (stages 2-3; inside no_sync() nothing is reduced)."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self.comm.watch.clock.backwards += 1
+        self.comm.watch.check("backward")  # before its collectives: divergent ranks never pair them
+        if not self.scaler.enabled:
+            self.nonfinite.note_loss(loss)
         self._set_state(TrainingState.BACKWARD)
         self.reducer.begin_backward(self.is_gradient_accumulation_boundary())
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
@@ -211,6 +226,9 @@ class Engine:
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
         the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
+        watch = self.comm.watch
+        watch.clock.micro += 1  # step() calls begun
+        watch.check("step")
         if self.state is not TrainingState.BACKWARD_DONE:
             self._finish_backward()  # the user called loss.backward() instead of engine.backward()
         self._set_state(TrainingState.IDLE)
@@ -230,11 +248,12 @@ class Engine:
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
                                            self.global_steps, self.config.zero.sub_group_size, delayed,
-                                           self._after_update)
+                                           self._after_update, self.nonfinite)
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()
         self.global_steps += 1
+        watch.clock.step = self.global_steps
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
             logger.info("step %d: model states %.1f MiB per rank, traffic %.1f MiB last step",
@@ -247,8 +266,9 @@ class Engine:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because fp16 gradients overflowed (on every rank alike)."""
-        return self.scaler.skipped_steps
+        """Optimizer steps skipped (on every rank alike): fp16 overflows, and non-finite bf16/fp32
+        gradients with zeroshard.on_nonfinite "skip"."""
+        return self.scaler.skipped_steps + self.nonfinite.skipped
 
     @property
     def loss_scale(self) -> float:
@@ -261,6 +281,7 @@ class Engine:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
                                "accumulated gradients; save after the step() that ends the cycle")
+        self.comm.watch.check("save_checkpoint")  # a save on some ranks only is named, not a hang
         self.wait_for_parameters()
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
@@ -298,6 +319,8 @@ class Engine:
         # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
         self.global_steps = extra["global_steps"]
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
+        clock = self.comm.watch.clock
+        clock.step, clock.micro = self.global_steps, self.micro_steps
         self.scaler.load_state_dict(extra["scaler"])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

@@ -76,6 +76,7 @@ class FlatParam:
         self.layout = build_layout([(names, tuple(p.shape)) for names, p in named_params], comm.world_size)
         self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
         self.trainable, self.group = trainable, group  # group: the user's parameter group (-1: frozen)
+        self.label = ""  # "unit 3 (h.2)": names its collectives in fingerprints (set by the engine)
         self.slot_of = {id(p): slot for p, slot in zip(self.params, self.layout.slots)}
         self.range = self.layout.shard_range(comm.rank)
         source = self._initial_values()
@@ -217,7 +218,9 @@ class FlatParam:
             self._all_gather(self.full, self.shard)
 
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
-        return self.comm.gather_shards(full, shard, self.layout.shard_chunks(self.buckets.gather), async_op)
+        chunks = self.layout.shard_chunks(self.buckets.gather)
+        with self.comm.about(self.label):
+            return self.comm.gather_shards(full, shard, chunks, async_op)
 
     def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
         """(slot, value) of every parameter, viewing one new gathered copy (collective at stage >= 1)."""
@@ -280,14 +283,15 @@ class FlatParam:
         full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
-        if not self.policy.shard_optimizer:
-            self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
-        else:
-            accumulate = self.policy.shard_grads and self.grad_state in (GradState.HELD,
-                                                                         GradState.ACCUMULATING_MORE)
-            chunks = self.layout.shard_chunks(self.buckets.reduce)
-            self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
-                                                            accumulate, async_op)
+        with self.comm.about(self.label):
+            if not self.policy.shard_optimizer:
+                self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
+            else:
+                accumulate = self.policy.shard_grads and self.grad_state in (GradState.HELD,
+                                                                             GradState.ACCUMULATING_MORE)
+                chunks = self.layout.shard_chunks(self.buckets.reduce)
+                self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
+                                                                accumulate, async_op)
         if self.policy.shard_grads:
             self.grad_full = None  # in-flight work keeps its own reference until it completes
         self._set_grad_state(GradState.REDUCED)
@@ -365,12 +369,13 @@ class FlatParam:
         late = self._late if self._late is not None else torch.zeros_like(self.full)
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
-        if self.policy.shard_optimizer:
-            chunks = self.layout.shard_chunks(self.buckets.reduce)
-            self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
-        else:
-            self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
-            self.grad_full.add_(late)
+        with self.comm.about(self.label):
+            if self.policy.shard_optimizer:
+                chunks = self.layout.shard_chunks(self.buckets.reduce)
+                self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
+            else:
+                self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
+                self.grad_full.add_(late)
         self._late = None
         self._set_grad_state(GradState.REDUCED)
 

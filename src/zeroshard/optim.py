@@ -6,6 +6,7 @@ unchanged because each element is updated independently of the others.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Union
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from .comm import Comm
 from .offload import Copier, prefer_fused, warn_if_slow
 from .config import Config, ConfigError
+from .nonfinite import NonFiniteGuard
 from .precision import LossScaler
 from .flat_param import FlatParam
 
@@ -102,7 +104,8 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
                  max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int,
                  delayed: Copier | None = None,
-                 after_update: Callable[[], None] = lambda: None) -> float | None:
+                 after_update: Callable[[], None] = lambda: None,
+                 guard: NonFiniteGuard | None = None) -> float | None:
     """Unscale, clip by the global norm, skip on overflow, update, write back; `after_update` runs
     once the update is done (not on a skipped step). Returns the global gradient norm (None when
     neither clipping nor fp16 needed it).
@@ -114,17 +117,26 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     With `delayed` (ZeRO-Offload's delayed parameter update), the parameters first take the update
     of the previous step, then this step's update starts on a worker thread and overlaps the next
     forward and backward: the gradient of step t is computed with the weights of step t-1.
+
+    Without a loss scaler, `guard` (nonfinite.py) finds non-finite gradients or losses, riding on
+    the norm's all-reduce when there is one; it raises, or the step is skipped like an overflow.
     """
     trainable = [f for f in flats if f.trainable]
-    norm = None
+    guard = None if scaler.enabled else guard
+    norm, nonfinite = None, False
     if max_norm > 0 or scaler.enabled:
         squares = torch.zeros((), dtype=torch.float32, device=comm.device)
         for f in trainable:
             squares += f.local_grad().float().pow(2).sum().to(comm.device)
+        if guard is not None:
+            squares = guard.fold_into_norm(squares, norm_is_sharded)
         if norm_is_sharded:
             comm.all_reduce(squares)
         norm = squares.sqrt().item() / scaler.scale
-    overflow = scaler.enabled and not torch.isfinite(torch.tensor(norm)).item()
+        nonfinite = not math.isfinite(norm)
+    elif guard is not None:
+        nonfinite = guard.flag(trainable, norm_is_sharded)
+    overflow = scaler.enabled and nonfinite
     if scaler.enabled:
         scaler.update(overflow, step)
     # Offload: wait for the gradients on the host, on this thread (never the worker's: the copies
@@ -139,6 +151,11 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
             delayed.unwritten = False
     if overflow:
         return norm
+    if guard is not None:
+        if nonfinite:
+            guard.handle(trainable, step)  # raises, or counts the skip
+            return norm
+        guard.end_cycle()
     factor = 1.0 / scaler.scale
     if max_norm > 0:
         factor *= min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,121 @@
+"""Drills: ranks that stop issuing the same collectives end with a DivergenceError naming the
+ranks and the collectives, within seconds, instead of hanging (zeroshard.check_collectives on and a
+short zeroshard.collective_timeout, as the docs suggest for such drills).
+
+Each rank runs in its own process and reports what it raised through a file; a rank whose group
+is left with a collective in flight cannot tear it down cleanly, so the workers end with os._exit.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zeroshard
+from helpers.models import Block, loss_fn
+from helpers.spawn import free_port
+
+TIMEOUT = 2.0  # zeroshard.collective_timeout in these drills (seconds)
+
+
+class Stack(nn.Module):
+    """Equal blocks (so a skipped unit's all-gather pairs silently with the next one's)."""
+
+    def __init__(self, d: int = 16, layers: int = 3) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(37, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 37)
+
+    def forward(self, idx: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        x = self.tok(idx)
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = block(x)
+        return self.head(x)
+
+
+def _train(engine, rank: int, fault: str, steps: int = 4) -> None:
+    g = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randint(0, 37, (2, 8), generator=g)
+        faulty = rank == 1 and step == 2
+        skip = 1 if fault == "skip_unit" and faulty else None
+        engine.backward(loss_fn(engine(x, skip=skip), x))
+        if fault == "backward_twice" and faulty:
+            engine.backward(loss_fn(engine(x), x))
+        if fault == "step_alone" and rank == 1 and step == 2:
+            continue  # rank 0 steps alone
+        engine.step()
+
+
+def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    config = {"zero_optimization": {"stage": stage},
+              "zeroshard": {"check_collectives": True, "collective_timeout": TIMEOUT}}
+    engine = zeroshard.initialize(Stack(), lambda p: torch.optim.SGD(p, lr=0.1), config)
+    start = time.monotonic()
+    result = {"error": None, "message": "", "seconds": 0.0}
+    try:
+        _train(engine, rank, fault)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which judges the type
+        result = {"error": type(e).__name__, "message": str(e) or traceback.format_exc()}
+    result["seconds"] = time.monotonic() - start
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # a collective may still be in flight: no orderly teardown of the group
+
+
+def _drill(stage: int, fault: str, directory: str, world_size: int = 2) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, stage, fault, directory))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{fault} at stage {stage}: ranks still running after 90 s (a hang)"
+    results = []
+    for r in range(world_size):
+        path = os.path.join(directory, f"{r}.json")
+        assert os.path.exists(path), f"{fault} at stage {stage}: rank {r} died without a report"
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (2, "backward_twice"), (3, "backward_twice"),
+                                         (2, "step_alone"), (3, "step_alone")])
+def test_divergence_is_named(tmp_path, stage: int, fault: str) -> None:
+    results = _drill(stage, fault, str(tmp_path))
+    for rank, result in enumerate(results):
+        what = f"{fault}, stage {stage}, rank {rank}: {result}"
+        assert result["error"] == "DivergenceError", what
+        assert result["seconds"] < 60, what
+        message = result["message"]
+        assert "collectives diverged at call #" in message and "rank 0:" in message and "rank 1:" in message
+        assert "Likely cause" in message, what
+    if fault == "skip_unit":  # the message names the unit each rank gathered
+        assert "unit 2 (blocks.1)" in results[0]["message"], results[0]["message"]
+
+
+def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:
+    """Below stage 3 a unit skipped on one rank issues no different collective: reductions run in
+    one fixed order, with zeros for a gradient that never came (as DDP's find_unused_parameters)."""
+    results = _drill(2, "skip_unit", str(tmp_path))
+    assert all(r["error"] is None for r in results), results

@@ -1,0 +1,49 @@
+"""bf16/fp32 have no loss scaler: a NaN gradient is found at the step on every rank together, then
+raised with the step and the first parameter named, or skipped and counted (on_nonfinite)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.nonfinite import NonFiniteError
+from helpers.models import TinyGPT, loss_fn, rank_batch
+from helpers.spawn import spawn
+
+
+def _poisoned_run(rank: int, world_size: int, stage: int, clip: float, action: str) -> None:
+    torch.manual_seed(0)
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": clip,
+              "zeroshard": {"on_nonfinite": action}}
+    engine = zeroshard.initialize(TinyGPT(d=16, layers=2), lambda p: torch.optim.AdamW(p, lr=1e-2), config)
+    x, y = rank_batch(rank, world_size)
+    for step in range(4):
+        before = engine.full_state_dict() if step == 2 else None
+        loss = loss_fn(engine(x), y)
+        if step == 2 and rank == 1:
+            loss = loss * float("nan")  # one rank's loss only: every rank must agree on the step
+        engine.backward(loss)
+        try:
+            engine.step()
+        except NonFiniteError as e:
+            assert action == "raise" and step == 2, (step, e)
+            assert "step 2: non-finite gradient, first in unit" in str(e) and "parameter '" in str(e), e
+            assert "the loss was not finite on ranks [1]" in str(e), e
+            return
+        if step == 2:  # skipped: weights untouched, and counted on every rank
+            after = engine.full_state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed weights"
+            assert engine.skipped_steps == 1
+    assert action == "skip" and engine.skipped_steps == 1
+    assert all(torch.isfinite(v).all() for v in engine.full_state_dict().values() if v.is_floating_point())
+
+
+def _runs(rank: int, world_size: int, action: str, cases: list[tuple[int, float]]) -> None:
+    for stage, clip in cases:  # clip > 0: the answer rides on the norm's all-reduce, else on a flag
+        _poisoned_run(rank, world_size, stage, clip, action)
+
+
+@pytest.mark.parametrize("action,cases", [("raise", [(0, 0.0), (2, 1.0), (3, 0.0)]),
+                                          ("skip", [(1, 0.0), (3, 1.0)])])
+def test_nonfinite_gradient_is_raised_or_skipped_on_every_rank(action: str, cases) -> None:
+    spawn(_runs, 2, action, cases)
