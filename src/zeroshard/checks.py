@@ -7,6 +7,7 @@ import json
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .comm import Comm
 from .config import Config
@@ -25,6 +26,8 @@ def check_module_type(module: object) -> None:
 
 
 def check_model(module: nn.Module, config: Config) -> None:
+    _refuse_lazy(module)
+    _refuse_sparse_gradients(module)
     params = dict(module.named_parameters())
     if not any(p.requires_grad for p in params.values()):
         raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
@@ -48,11 +51,34 @@ def check_model(module: nn.Module, config: Config) -> None:
                          f"{dtype} compute), or convert the model with model.float()")
 
 
+def _refuse_lazy(module: nn.Module) -> None:
+    """A lazy module's tensors have no shape until its first forward: nothing to lay out yet."""
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            if isinstance(t, UninitializedTensorMixin):
+                raise ValueError(f"{kind} '{name}' is uninitialized (a lazy module such as nn.LazyLinear); "
+                                 f"run one forward pass on a sample batch before initialize(), so that its "
+                                 f"shape is known")
+
+
+def _refuse_sparse_gradients(module: nn.Module) -> None:
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            where = f"module '{name}'" if name else "the model"
+            raise ValueError(f"{where} is nn.{type(m).__name__}(sparse=True): its gradients are sparse, "
+                             f"but ZeRO reduces and shards dense flat gradient buffers; build it with "
+                             f"sparse=False")
+
+
+def _shape(t: torch.Tensor) -> object:
+    return "uninitialized" if isinstance(t, UninitializedTensorMixin) else tuple(t.shape)
+
+
 def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
     entries = [f"config {json.dumps(config.raw, sort_keys=True, default=str)}", f"world size {world_size}"]
-    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} {p.device.type} requires_grad={p.requires_grad}"
+    entries += [f"parameter {n} {_shape(p)} {p.dtype} {p.device.type} requires_grad={p.requires_grad}"
                 for n, p in module.named_parameters(remove_duplicate=False)]
-    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    entries += [f"buffer {n} {_shape(b)} {b.dtype}" for n, b in module.named_buffers()]
     return entries
 
 

@@ -187,6 +187,9 @@ class Engine:
         yet reduced (stages 2-3; inside no_sync() nothing is reduced)."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        if not loss.requires_grad:
+            raise ValueError("backward() needs a loss that requires grad; this one was computed under "
+                             "torch.no_grad(), detached, or from no trainable parameter")
         self.comm.watch.clock.backwards += 1
         self.comm.watch.check("backward")  # before its collectives: divergent ranks never pair them
         if not self.scaler.enabled:

@@ -259,6 +259,9 @@ class FlatParam:
     def accumulate(self, param: nn.Parameter) -> bool:
         """Move `param.grad` into the flat gradient buffer; True once every parameter has reported."""
         slot = self.slot_of[id(param)]
+        if param.grad.is_sparse:
+            raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
+                             f"zeroshard reduces dense flat buffers: use sparse=False")
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
             self.grad_full = torch.zeros_like(self.full)
         self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])

@@ -91,6 +91,7 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
                           f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards "
                           f"it would compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
                           f"Adagrad, RMSprop, ...)")
+    _refuse_unsupported_options(optimizer)
     if offloaded:
         warn_if_slow(optimizer)
     given = {id(t) for g in groups for t in g["params"]}
@@ -99,6 +100,17 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
         raise ValueError("the optimizer callable must build its optimizer over exactly the `params` "
                          "it is given (zeroshard's flat shards), not over model.parameters()")
     return optimizer
+
+
+def _refuse_unsupported_options(optimizer: torch.optim.Optimizer) -> None:
+    """Options torch accepts at construction but that fail at the first step over flat shards."""
+    for group in optimizer.param_groups:
+        if group.get("differentiable"):
+            raise ConfigError("the optimizer has differentiable=True: zeroshard updates its flat shards in "
+                              "place, outside autograd; remove the option")
+        if group.get("capturable") and any(t.device.type == "cpu" for t in group["params"]):
+            raise ConfigError("the optimizer has capturable=True, which needs CUDA tensors, but its shards "
+                              "are on the CPU (a CPU group or offload_optimizer); remove the option")
 
 
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .config import ConfigError
 from .construct import materialize_
 from .flat_param import FlatParam, ParamState
 from .policy import StagePolicy
@@ -40,9 +41,9 @@ def find_units(model: nn.Module, unit_modules: list[str] | None) -> list[str]:
         candidates = {name for name, m in model.named_modules() if name and type(m).__name__ in wanted}
         found = {type(m).__name__ for name, m in model.named_modules() if name in candidates}
         if wanted - found:
-            raise ValueError(f"zeroshard.unit_modules names {sorted(wanted - found)}, but no submodule "
-                             f"has that class; the model's classes are "
-                             f"{sorted({type(m).__name__ for m in model.modules()})}")
+            raise ConfigError(f"config key 'zeroshard.unit_modules' names {sorted(wanted - found)}, but no "
+                              f"submodule has that class; the model's classes are "
+                              f"{sorted({type(m).__name__ for m in model.modules()})}")
     units = [ROOT]
     for name, _ in model.named_modules():
         if name in candidates and not any(_is_within(name, u) for u in units[1:]):

@@ -54,6 +54,10 @@ class Config(Settings):
             raise ConfigError(f"zero_optimization.offload_param needs zero_optimization.stage 3 (only "
                               f"stage 3 shards parameters), got stage {cfg.stage}; set the stage to 3 "
                               f"or remove offload_param")
+        if cfg.zero.offload_optimizer and cfg.optimizer and cfg.optimizer.params.get("capturable"):
+            raise ConfigError("config key 'optimizer.params.capturable' needs the optimizer step on a GPU, "
+                              "but zero_optimization.offload_optimizer runs it on the host; set capturable "
+                              "to false or remove offload_optimizer")
         if cfg.delayed_param_update and not cfg.zero.offload_optimizer:
             raise ConfigError("zeroshard.delayed_param_update overlaps the host optimizer step with the "
                               "next forward and backward: it needs zero_optimization.offload_optimizer "

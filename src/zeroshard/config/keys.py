@@ -5,7 +5,11 @@ ones; a DeepSpeed key we have not built yet says so, so a config is never half-a
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable
+
+import torch
 
 from .sections import DTYPES, OPTIMIZERS, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
 
@@ -28,13 +32,32 @@ _NOT_IMPLEMENTED_ZERO = {
     "log_trace_cache_warnings", "stage3_module_granularity_threshold",
 }
 
-def _as_int(key: str, value: Any, minimum: int) -> int:
-    # JSON configs write big sizes as 5e8: accept integral floats, refuse bools and fractions.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
-    if int(value) < minimum:
-        raise ConfigError(f"config key '{key}' must be an integer >= {minimum}, got {value!r}")
+def _as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    # JSON configs write big sizes as 5e8: accept integral floats, refuse bools, fractions, inf and nan.
+    span = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)) or value != int(value):
+        raise ConfigError(f"config key '{key}' must be an integer {span}, got {value!r}")
+    if int(value) < minimum or (maximum is not None and int(value) > maximum):
+        raise ConfigError(f"config key '{key}' must be an integer {span}, got {value!r}")
     return int(value)
+
+
+def _as_number(key: str, value: Any, minimum: float | None = None, *, above: bool = False,
+               maximum: float | None = None, note: str = "") -> float:
+    """A finite real number (not a bool), >= minimum (> minimum with `above`) and <= maximum; `note`
+    follows the accepted range in the error."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if above else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        bounds = [f"{'>' if above else '>='} {minimum:g}"] if minimum is not None else []
+        bounds += [f"<= {maximum:g}"] if maximum is not None else []
+        accepted = " ".join(["a finite number", " and ".join(bounds), note]).strip()
+        raise ConfigError(f"config key '{key}' must be {accepted}, got {value!r}")
+    return float(value)
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -95,16 +118,43 @@ def _optimizer(cfg: Settings, value: Any) -> None:
     section = _as_dict("optimizer", value)
     extra = set(section) - {"type", "params"}
     if extra:
-        raise ConfigError(f"unknown config key(s) optimizer.{sorted(extra)[0]}; accepted: type, params")
+        raise ConfigError(f"unknown config key(s) optimizer.{sorted(map(str, extra))[0]}; "
+                          f"accepted: type, params")
     kind = section.get("type")
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
         raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
                           f"(case-insensitive), got {kind!r}")
-    cfg.optimizer = OptimizerConfig(kind, dict(_as_dict("optimizer.params", section.get("params", {}))))
+    cfg.optimizer = OptimizerConfig(kind, _optimizer_params(section.get("params", {})))
 
 
-_FP16_KEYS = {"loss_scale": 0.0, "initial_scale_power": 0, "loss_scale_window": 1,
-              "hysteresis": 1, "min_loss_scale": 0.0}  # key -> minimum
+# Keyword arguments of torch's optimizers whose type is fixed, checked here: a wrong type is named
+# now instead of failing inside torch, at construction or at the first step. Names an optimizer
+# does not take, and ranges, are left to its constructor (initialize names what it refuses).
+_OPTIMIZER_NUMBERS = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay",
+                      "initial_accumulator_value", "alpha", "rho", "momentum_decay"}
+_OPTIMIZER_FLAGS = {"amsgrad", "maximize", "nesterov", "centered", "decoupled_weight_decay", "capturable",
+                    "differentiable"}
+_OPTIMIZER_CHOICES = {"foreach", "fused"}  # true, false, or null: torch decides
+
+
+def _optimizer_params(value: Any) -> dict[str, Any]:
+    params = dict(_as_dict("optimizer.params", value))
+    for key, v in params.items():
+        name = f"optimizer.params.{key}"
+        if not isinstance(key, str):
+            raise ConfigError(f"config key 'optimizer.params' holds the optimizer's keyword arguments: its "
+                              f"keys must be strings, got {key!r}")
+        if key in _OPTIMIZER_NUMBERS and not isinstance(v, torch.Tensor):  # torch takes a tensor lr
+            _as_number(name, v)
+        elif key in _OPTIMIZER_FLAGS or (key in _OPTIMIZER_CHOICES and v is not None):
+            _as_bool(name, v)
+        elif key == "betas" and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                isinstance(b, numbers.Real) and not isinstance(b, bool) and math.isfinite(b) for b in v)):
+            raise ConfigError(f"config key '{name}' must be a list of two numbers, got {v!r}")
+    if params.get("differentiable"):
+        raise ConfigError("config key 'optimizer.params.differentiable': true is not supported (zeroshard "
+                          "steps its flat shards in place, outside autograd); set it to false")
+    return params
 
 
 def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
@@ -112,6 +162,18 @@ def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
         if cfg.precision not in ("fp32", name):
             raise ConfigError("config enables both fp16 and bf16; enable one of them")
         cfg.precision = name
+
+
+# key -> its rule. 2**127 is near the largest fp32 value: a larger initial scale would overflow every
+# gradient (and 2**1024 is no Python float). A minimum scale of 0 would let the scale halve down to
+# 0.0 over a long run of overflows, then divide by it.
+_FP16_KEYS: dict[str, Callable[[str, Any], float]] = {
+    "loss_scale": lambda key, v: _as_number(key, v, 0.0, note="(0: dynamic)"),
+    "initial_scale_power": lambda key, v: _as_int(key, v, 0, 127),
+    "loss_scale_window": lambda key, v: _as_int(key, v, 1),
+    "hysteresis": lambda key, v: _as_int(key, v, 1),
+    "min_loss_scale": lambda key, v: _as_number(key, v, 0.0, above=True),
+}
 
 
 def _fp16(cfg: Settings, value: Any) -> None:
@@ -122,13 +184,11 @@ def _fp16(cfg: Settings, value: Any) -> None:
             continue
         if key not in _FP16_KEYS:
             _refuse(f"fp16.{key}", _NOT_IMPLEMENTED_FP16, ["enabled", *_FP16_KEYS])
-        minimum = _FP16_KEYS[key]
-        if isinstance(minimum, float):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
-                raise ConfigError(f"config key 'fp16.{key}' must be a number >= {minimum:g}, got {v!r}")
-            setattr(scaler, key, float(v))
-        else:
-            setattr(scaler, key, _as_int(f"fp16.{key}", v, minimum))
+        setattr(scaler, key, _FP16_KEYS[key](f"fp16.{key}", v))
+    if scaler.loss_scale == 0 and scaler.min_loss_scale > 2.0 ** scaler.initial_scale_power:
+        raise ConfigError(f"config key 'fp16.min_loss_scale' ({scaler.min_loss_scale:g}) is above the "
+                          f"initial dynamic loss scale 2**{scaler.initial_scale_power}: the first overflow "
+                          f"would stop training; lower min_loss_scale or raise initial_scale_power")
     _enable_precision(cfg, "fp16", section.get("enabled", False))
     if cfg.precision == "fp16":
         cfg.scaler = scaler
@@ -143,7 +203,7 @@ def _bf16(cfg: Settings, value: Any) -> None:
 
 
 def _communication_dtype(cfg: Settings, value: Any) -> None:
-    if value not in DTYPES:
+    if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(f"config key 'communication_data_type' must be one of {', '.join(DTYPES)}, "
                           f"got {value!r}")
     cfg.communication_data_type = value
@@ -167,9 +227,7 @@ def _set_int(attr: str, minimum: int) -> Callable[[Settings, Any], None]:
 
 
 def _clipping(cfg: Settings, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0: off), got {value!r}")
-    cfg.gradient_clipping = float(value)
+    cfg.gradient_clipping = _as_number("gradient_clipping", value, 0.0, note="(0: off)")
 
 
 _NVME_KEYS = {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
@@ -213,10 +271,8 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
                 raise ConfigError(f"config key '{name}' must be true, false or a number of steps >= 0, "
                                   f"got {v!r}")
             cfg.check_collectives = int(v)
-        elif key == "collective_timeout":
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"config key '{name}' must be a number of seconds > 0, got {v!r}")
-            cfg.collective_timeout = float(v)
+        elif key == "collective_timeout":  # at most ~31 years: a timedelta holds it
+            cfg.collective_timeout = _as_number(name, v, 0.0, above=True, maximum=1e9, note="seconds")
         elif key == "on_nonfinite":
             if v not in ("raise", "skip"):
                 raise ConfigError(f"config key '{name}' must be \"raise\" or \"skip\", got {v!r}")
