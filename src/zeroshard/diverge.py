@@ -214,7 +214,9 @@ class _Waiter:
                 item.work.wait()
             except RuntimeError as e:
                 item.error = e
+            item.work = None  # the work holds its tensors (a full gradient): not one moment longer
             item.done.set()
+            del item
 
 
 def _default_store() -> "dist.Store | None":
