@@ -18,7 +18,6 @@ import json
 import os
 import queue
 import resource
-import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 
 import zeroshard
 from zeroshard.app.gpt import GPT, GPTConfig, lm_loss
+from ranks import free_port
 
 GiB, MiB = 2**30, 2**20
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
@@ -90,12 +90,6 @@ def rank_main(rank: int, port: int, layers: int, stage: int, args: argparse.Name
 
 
 # ---- the parent: run a trial, watch its memory, decide ---------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gpt_config(layers: int, args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(seq_len=args.seq, layers=layers, width=args.width, heads=max(1, args.width // 64))
 

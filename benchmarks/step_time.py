@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import resource
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -36,6 +35,7 @@ import torch.multiprocessing as mp
 from zeroshard.app.gpt import GPT, GPTConfig, lm_loss
 from step_report import report
 from wiretap import wiretap
+from ranks import free_port, write_json
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, y) -> detached loss
 ALL = (["ddp", "zero_optim", "fsdp2_reshard", "fsdp2_keep"]
@@ -210,18 +210,8 @@ def rss_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     write_json(out, {"base": row[0].item(), "peak": row[1].item()}, rank)
 
 
-def write_json(path: str, obj: dict, rank: int) -> None:
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(obj, f)
-    dist.barrier()  # gloo can abort a rank that tears down while a peer still talks to it
-    dist.destroy_process_group()
-
-
 def launch(worker: Callable, args: argparse.Namespace) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     mp.spawn(worker, args=(args.nproc, port, args, out), nprocs=args.nproc, join=True)

@@ -7,9 +7,11 @@ each rank reads exactly the pieces that overlap what it now holds. Small state (
 optimizer state, counters, scaler, scheduler, config, the user's client_state) is one pickled blob
 written by rank 0; RNG states are per rank.
 
-Atomic: DCP writes into "<dir>/.<tag>.tmp"; only when every rank is done does rank 0 rename it to
-"<dir>/<tag>" and then replace "<dir>/latest". A crash at any point leaves `latest` naming the
-previous complete checkpoint.
+Atomic: DCP writes into "<dir>/.<tag>.tmp"; only when every rank is done, and the manifest of
+checksums is written (integrity.py), does rank 0 rename it to "<dir>/<tag>" and then replace
+"<dir>/latest". A crash at any point leaves `latest` naming the previous complete checkpoint.
+Verified: load, info and consolidate check every file's size and checksum, then the metadata,
+before reading a tensor (integrity.py and checkpoint_meta.py state the invariants).
 """
 from __future__ import annotations
 
@@ -17,20 +19,19 @@ import math
 import os
 import pickle
 import shutil
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from . import checkpoint_meta, integrity
 from .comm import Comm
 from .flat_param import FlatParam
+from .integrity import CheckpointError
 
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, or from another model; nothing was modified."""
 
 
 # ---- where each rank's elements are -------------------------------------------------------------
@@ -87,10 +88,14 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
                                            pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
     dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
-    comm.barrier()
+    integrity.commit_manifest(tmp, comm)  # every rank is done writing once this returns
+    failed = None
     if comm.rank == 0:
-        _commit(directory, tmp, final, tag)
-    comm.barrier()
+        try:
+            _commit(directory, tmp, final, tag)
+        except OSError as e:
+            failed = f"checkpoint not committed: {e}"
+    integrity.agree(comm, failed)  # rank 0's failure, raised on every rank rather than awaited
     return final
 
 
@@ -107,9 +112,9 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pie
             _, name, start = key.rsplit("/", 2)
             lengths.setdefault(name, []).append(int(start))
     trainable = sorted(slot.names[0] for f in flats if f.trainable for slot in f.layout.slots)
-    return {"format": 1, "shapes": shapes, "starts": lengths, "elementwise": sorted(elementwise),
-            "trainable": trainable,
-            "scalars": scalars, "scalars_on_device": on_device, "buffers": list(buffers),
+    return {"format": checkpoint_meta.FORMAT, "shapes": shapes, "starts": lengths,
+            "elementwise": sorted(elementwise), "trainable": trainable, "scalars": scalars,
+            "scalars_on_device": on_device, "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "extra": extra}
 
@@ -133,83 +138,91 @@ def resolve(path: str, missing_ok: bool = False) -> str | None:
     exist or an empty directory (nothing saved yet) gives None instead of an error."""
     if missing_ok and (not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))):
         return None
+    return _resolve(path)[0]
+
+
+def _resolve(path: str) -> tuple[str, str | None]:
+    """(the checkpoint directory, the parent whose `latest` named it, or None if named directly).
+    An error about a checkpoint found through `latest` offers the newest complete sibling."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
+    parent = None
     if os.path.isfile(os.path.join(path, LATEST)):
         with open(os.path.join(path, LATEST)) as f:
             tag = f.read().strip()
-        path = os.path.join(path, tag)
+        parent, path = path, os.path.join(path, tag)
         if not os.path.isdir(path):
-            raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in "
-                                  f"{os.path.dirname(path)}")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted "
-                              f"save, or not a zeroshard checkpoint directory")
-    return path
+            raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in {parent}"
+                                  + integrity.offer(parent, path))
+    if not os.path.isfile(os.path.join(path, integrity.METADATA)):
+        raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted save, "
+                              f"or not a zeroshard checkpoint directory" + integrity.offer(parent, path))
+    return path, parent
+
+
+def _resolve_everywhere(path: str, comm: Comm) -> tuple[str, str | None]:
+    """_resolve on every rank, which must agree (a `latest` replaced meanwhile would split them)."""
+    try:
+        local: Any = _resolve(path)
+    except CheckpointError as e:
+        local = str(e)
+    views = comm.all_gather_objects(local)
+    integrity.agree(comm, next((v for v in views if isinstance(v, str)), None))
+    if len(set(views)) > 1:
+        raise CheckpointError(f"the ranks found different checkpoints at '{path}' ({sorted(set(views))}): "
+                              f"was '{LATEST}' replaced while loading?")
+    return views[0]
 
 
 def info(path: str, missing_ok: bool = False) -> dict[str, Any] | None:
     """What a checkpoint holds besides tensors, read without a process group: its path, tag,
-    global_steps, world_size, stage, config and client_state. None if missing (with missing_ok)."""
-    resolved = resolve(path, missing_ok)
-    if resolved is None:
+    global_steps, world_size, stage, config and client_state. None if missing (with missing_ok).
+    Its files are verified first."""
+    if resolve(path, missing_ok) is None:
         return None
+    resolved, parent = _resolve(path)
+    integrity.verify(resolved, parent=parent)
     extra = read_meta(resolved, no_dist=True)["extra"]
     return {"path": resolved, "tag": os.path.basename(resolved), **extra}
 
 
+def _dcp_load(state: dict[str, Any], path: str, process_group, no_dist: bool) -> None:
+    """dcp.load; reading in this process alone is what no_dist asks for, so DCP's warning that
+    it assumes so is not passed on to the user."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=no_dist)
+
+
 def read_meta(path: str, process_group=None, no_dist: bool = False) -> dict[str, Any]:
+    """The `meta` dict, checked (checkpoint_meta.check_meta). Identical bytes on every rank, so every
+    rank reaches the same verdict."""
     blob: dict[str, Any] = {"meta": b""}
     try:
-        dcp.load(blob, checkpoint_id=path, process_group=process_group, no_dist=no_dist)
+        _dcp_load(blob, path, process_group, no_dist)
+        meta = pickle.loads(blob["meta"])
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         # corrupt files surface here, before anything is modified
-        raise CheckpointError(f"cannot read checkpoint '{path}': {_describe(e)}") from None
-    return pickle.loads(blob["meta"])
-
-
-def _describe(error: BaseException) -> str:
-    failures = getattr(error, "failures", None)  # DCP: {rank: exception or (exception, traceback)}
-    if not failures:
-        return f"{type(error).__name__}: {error}"
-    rank, first = next(iter(sorted(failures.items(), key=lambda item: item[0])))
-    first = first[0] if isinstance(first, tuple) else first
-    hint = " (a truncated or corrupt file?)" if isinstance(first, (EOFError, pickle.UnpicklingError)) else ""
-    return f"rank {rank} failed with {type(first).__name__}: {first}{hint}; {len(failures)} rank(s) failed"
-
-
-def check_compatible(meta: dict[str, Any], flats: list[FlatParam], optimizer: torch.optim.Optimizer) -> None:
-    ours = {slot.names[0]: tuple(slot.shape) for f in flats for slot in f.layout.slots}
-    theirs = {name: tuple(shape) for name, (shape, _) in meta["shapes"].items()}
-    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    if missing or extra:
-        raise CheckpointError(f"checkpoint is from another model: missing {missing[:5]}, "
-                              f"unexpected {extra[:5]}")
-    wrong = [(n, theirs[n], s) for n, s in ours.items() if theirs[n] != s]
-    if wrong:
-        name, saved, now = wrong[0]
-        raise CheckpointError(f"checkpoint is from another model: '{name}' has shape {saved} there, "
-                              f"{now} here ({len(wrong)} shapes differ)")
-    trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
-    if "trainable" in meta and trainable != set(meta["trainable"]):
-        changed = sorted(trainable ^ set(meta["trainable"]))
-        raise CheckpointError(f"parameters frozen at save time are trainable now, or the reverse: "
-                              f"{changed[:5]}; their optimizer state cannot match. Freeze the same "
-                              f"parameters as when saving, or start from the weights alone "
-                              f"(zeroshard.consolidate)")
-    if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} parameter groups, the "
-                              f"optimizer has {len(optimizer.param_groups)}")
+        raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
+    checkpoint_meta.check_meta(meta)
+    return meta
 
 
 def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm,
          buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Collective. Fills parameters, optimizer state and buffers; returns the `extra` saved."""
-    path = resolve(path)
+    """Collective. Fills parameters, optimizer state and buffers; returns the `extra` saved.
+    Every check comes before the first write, and every rank passes or raises the same error."""
+    path, parent = _resolve_everywhere(path, comm)
+    integrity.verify(path, comm, parent)
     meta = read_meta(path, comm.group)
-    check_compatible(meta, flats, optimizer)
+    shapes = {slot.names[0]: tuple(slot.shape) for f in flats for slot in f.layout.slots}
+    trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
+    checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer.param_groups, _IMPLEMENTATION_KEYS)
+    saved_keys = checkpoint_meta.read_index(path)
+    stored_buffers = {f"buffer/{n}": b.shape for n, b in buffers.items()}
+    checkpoint_meta.check_stored(meta, saved_keys, trainable, stored_buffers)
     request: dict[str, Any] = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in buffers.items()}
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if f"rng/{comm.rank}" in saved_keys:
         request[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
     if f"rng_cuda/{comm.rank}" in saved_keys and comm.device.type == "cuda":
@@ -226,7 +239,8 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     try:  # reads into fresh tensors: a failure here leaves the engine untouched
         dcp.load(request, checkpoint_id=path, process_group=comm.group)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"cannot read checkpoint '{path}': {_describe(e)}") from None
+        raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
+    integrity.agree(comm, _invalid_rng(request, comm))  # the last check, before the first write
     _apply(meta, request, wanted, flats, optimizer)
     with torch.no_grad():
         for name, b in buffers.items():
@@ -236,6 +250,18 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     if f"rng_cuda/{comm.rank}" in request:
         torch.cuda.set_rng_state(request[f"rng_cuda/{comm.rank}"], comm.device)
     return meta["extra"]
+
+
+def _invalid_rng(request: dict[str, Any], comm: Comm) -> str | None:
+    """Why this rank's saved random state would be refused by torch (tried on a scratch generator)."""
+    try:
+        if f"rng/{comm.rank}" in request:
+            torch.Generator().set_state(request[f"rng/{comm.rank}"])
+        if f"rng_cuda/{comm.rank}" in request:
+            torch.Generator(device=comm.device).set_state(request[f"rng_cuda/{comm.rank}"])
+    except RuntimeError as e:
+        return f"rank {comm.rank}'s saved random state is invalid: {e}"
+    return None
 
 
 def _overlapping(meta: dict[str, Any], name: str, start: int, length: int):
@@ -281,16 +307,20 @@ _IMPLEMENTATION_KEYS = {"fused", "foreach", "capturable", "differentiable"}
 def consolidate(path: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights under the model's own names (every alias of a tied weight), and the
     persistent buffers, in the model's state_dict order. No process group needed."""
-    path = resolve(path)
+    path, parent = _resolve(path)
+    integrity.verify(path, parent=parent)
     meta = read_meta(path, no_dist=True)
-    request: dict[str, Any] = {f"buffer/{n}": None for n in meta["buffers"]}
-    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for key in request:
-        request[key] = torch.empty(md[key].size, dtype=md[key].properties.dtype)
+    md = checkpoint_meta.read_index(path)
+    checkpoint_meta.check_stored(meta, md, set(), {})  # the parameters' pieces; buffers have any shape
+    request: dict[str, Any] = {f"buffer/{n}": checkpoint_meta.empty_stored(md, f"buffer/{n}")
+                               for n in meta["buffers"]}
     for name, starts in meta["starts"].items():
         for key in starts:
             request[f"param/{name}/{key}"] = torch.empty(md[f"param/{name}/{key}"].size)
-    dcp.load(request, checkpoint_id=path, no_dist=True)
+    try:
+        _dcp_load(request, path, None, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
     values: dict[str, torch.Tensor] = {}
     for name, (shape, aliases) in meta["shapes"].items():
         pieces = [request[f"param/{name}/{s}"] for s in sorted(meta["starts"].get(name, []))]

@@ -7,9 +7,12 @@ micro-step, phase) in a short per-rank history, with a running count and digest.
   each rank compares (count, digest, clock) with rank 0's **through the c10d store**, never through
   a collective. A collective could pair with a peer's different collective, and gloo aborts a
   process whose peer sends more bytes than it expects; the store cannot mismatch.
-* a collective that fails or stalls past `collective_timeout` (waits are bounded, in slices that
-  also notice a peer's alarm, so once one rank has found the divergence the others stop within a
-  slice instead of a whole timeout).
+* a wait that stalls. Waits are bounded, in 1 s slices. After each slice a stalled rank publishes
+  how far it got (count, digest) and compares with the peers' published marks: a peer whose digest
+  differs after the same number of calls has issued a different call, so the ranks diverged (found
+  within seconds, not after the timeout: a stage-3 rank that skips a unit stalls in forward, before
+  any check). A stall that finds no such proof ends at `collective_timeout`, and a peer's alarm
+  ends it within a slice. A mark is always a prefix of its rank's history, so a stale one is safe.
 
 Either way the rank publishes its recent history to the store, waits a grace period for its peers'
 and raises `DivergenceError` naming the first call where the histories differ and the likely cause.
@@ -89,6 +92,8 @@ class Watch:
         self.clock = Clock()
         self.recent: deque[Fingerprint] = deque(maxlen=_KEEP)
         self.count, self.digest, self.checks = 0, 0, 0
+        self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
+        self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"zeroshard/{restart}/{_instances}/"
         self.store = _default_store()
@@ -101,6 +106,7 @@ class Watch:
         self.recent.append(fp)
         self.count += 1
         self.digest = zlib.crc32(repr(astuple(fp)[1:]).encode(), self.digest)
+        self.digests.append(self.digest)
 
     # ---- bounded waits --------------------------------------------------------------------------
     def wait(self, work: dist.Work, kind: str) -> None:
@@ -124,6 +130,30 @@ class Watch:
             if self._alarm_raised() or time.monotonic() >= deadline:
                 raise self.diagnose(f"a collective waited {self.timeout:g} s (zeroshard.collective_"
                                     f"timeout), or a peer found a divergence") from None
+            if (peer := self._differing_peer()) is not None:
+                raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
+                                    f"rank's") from None
+
+    def _differing_peer(self) -> int | None:
+        """Publish this stalled rank's mark (count, digest); the first peer whose published mark
+        differs from this rank's digest after as many calls, if any. (A peer that has made more calls
+        is compared from its side, once it stalls too.)"""
+        if self.store is None or self.world_size == 1:
+            return None
+        mark = pickle.dumps((self.count, self.digest))
+        self.store.set(f"{self.prefix}stall/{self.rank}", mark)
+        self._count_store(mark)
+        for peer in range(self.world_size):
+            key = f"{self.prefix}stall/{peer}"
+            if peer == self.rank or not self.store.check([key]):
+                continue
+            theirs = self.store.get(key)
+            self._count_store(theirs)
+            count, digest = pickle.loads(theirs)
+            index = count - self.count + len(self.digests) - 1
+            if 0 <= index < len(self.digests) and self.digests[index] != digest:
+                return peer
+        return None
 
     def guard(self, call: Callable[[], Any]) -> Any:
         """Issue a collective; an error from the backend becomes a diagnosis."""
@@ -143,6 +173,7 @@ class Watch:
         key = f"{self.prefix}check/{self.checks}"
         if self.rank == 0:
             self.store.set(key, token)
+            self._count_store(token)
             if self.checks > 16:  # every rank has read it: they have passed 16 checks since
                 self.store.delete_key(f"{self.prefix}check/{self.checks - 16}")
             return
@@ -151,8 +182,13 @@ class Watch:
             theirs = self.store.get(key)
         except RuntimeError:
             raise self.diagnose(f"rank 0 did not reach {phase} within {self.timeout:g} s") from None
+        self._count_store(theirs)
         if theirs != token:
             raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {phase}")
+
+    def _count_store(self, payload: bytes) -> None:
+        self.store_traffic["calls"] += 1
+        self.store_traffic["bytes"] += len(payload)
 
     # ---- the diagnosis --------------------------------------------------------------------------
     def _alarm_raised(self) -> bool:

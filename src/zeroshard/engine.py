@@ -356,9 +356,11 @@ class Engine:
         now = sum(memory.buffer_bytes(f)["temporary"] for f in self.flats)
         self.peak_temporary = max(self.peak_temporary, now)
 
-    def comm_stats(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Per collective kind: calls and bytes (paper convention), for the last step and in total."""
-        return self.comm.stats()
+    def comm_stats(self) -> dict[str, dict[str, Any]]:
+        """Per collective kind: calls and bytes (paper convention), for the last step and in total;
+        "store": the divergence checks' c10d-store writes and reads (calls, payload bytes), in total,
+        outside the collectives' figures (check_collectives)."""
+        return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic)}
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding."""

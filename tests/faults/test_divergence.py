@@ -23,7 +23,8 @@ import zeroshard
 from helpers.models import Block, loss_fn
 from helpers.spawn import free_port
 
-TIMEOUT = 2.0  # zeroshard.collective_timeout in these drills (seconds)
+TIMEOUT = 2.0  # zeroshard.collective_timeout in most drills (seconds)
+PATIENT = 45.0  # ... and in those that must find the divergence before a long timeout runs out
 
 
 class Stack(nn.Module):
@@ -57,18 +58,19 @@ def _train(engine, rank: int, fault: str, steps: int = 4) -> None:
         engine.step()
 
 
-def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     config = {"zero_optimization": {"stage": stage},
-              "zeroshard": {"check_collectives": True, "collective_timeout": TIMEOUT}}
+              "zeroshard": {"check_collectives": True, "collective_timeout": timeout}}
     engine = zeroshard.initialize(Stack(), lambda p: torch.optim.SGD(p, lr=0.1), config)
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
     try:
         _train(engine, rank, fault)
+        result["store"] = engine.comm_stats()["store"]
     except Exception as e:  # noqa: BLE001 - reported to the test, which judges the type
         result = {"error": type(e).__name__, "message": str(e) or traceback.format_exc()}
     result["seconds"] = time.monotonic() - start
@@ -77,10 +79,11 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     os._exit(0)  # a collective may still be in flight: no orderly teardown of the group
 
 
-def _drill(stage: int, fault: str, directory: str, world_size: int = 2) -> list[dict]:
+def _drill(stage: int, fault: str, directory: str, world_size: int = 2,
+           timeout: float = TIMEOUT) -> list[dict]:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, stage, fault, directory))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, stage, fault, directory, timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -119,3 +122,18 @@ def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:
     one fixed order, with zeros for a gradient that never came (as DDP's find_unused_parameters)."""
     results = _drill(2, "skip_unit", str(tmp_path))
     assert all(r["error"] is None for r in results), results
+    # the checks' store traffic is counted apart from the collectives': one write (rank 0) or read
+    # (rank 1) per check, at each of the 4 steps' backward() and step()
+    assert [r["store"]["calls"] for r in results] == [8, 8], results
+    assert all(r["store"]["bytes"] > 0 for r in results), results
+
+
+@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "step_alone")])
+def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str) -> None:
+    """Stalled ranks compare how far they got through the store: a unit skipped in forward at stage 3
+    (no check runs there) is named in seconds, not after collective_timeout."""
+    results = _drill(stage, fault, str(tmp_path), timeout=PATIENT)
+    for rank, result in enumerate(results):
+        assert result["error"] == "DivergenceError", result
+        assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
+        assert "collectives diverged at call #" in result["message"], result

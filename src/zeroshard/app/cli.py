@@ -12,7 +12,9 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="cuda: one rank per GPU over NCCL; cpu: gloo ranks; auto: cuda when available")
     p.add_argument("--nproc", type=int, help="local ranks (default: every GPU on cuda, 2 on cpu)")
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps in total (default {steps})")
+    p.add_argument("--steps", type=int, default=steps,
+                   help=f"training steps in total, one micro-batch each (optimizer steps x "
+                        f"gradient_accumulation_steps; default {steps})")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size (default small)")
@@ -47,6 +49,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
                                                           "--nproc) up to --steps in total")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="after a rank dies (killed, out of memory), restart every rank up to K times; "
+                        "the group resumes from this run's last checkpoint (default 0)")
+    p.add_argument("--save-every", type=int, default=0, metavar="S",
+                   help="also checkpoint every S steps, so a restart loses at most S steps "
+                        "(default 0: only at the end)")
     _add_training_options(p, steps=300)
     _add_offload_options(p)
 
@@ -181,11 +189,19 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     import zeroshard
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
+    for name in ("max_restarts", "save_every"):
+        if getattr(args, name, 0) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
     train_args = TrainArgs(**options)
     try:  # fail here, in one process, rather than in every rank
         check_paths(args.data)
-        zeroshard.Config.load(train_args.engine_config())  # a bad config or flag: named here
+        accumulation = zeroshard.Config.load(train_args.engine_config()).gradient_accumulation_steps
+        for flag, value in (("--steps", train_args.steps), ("--save-every", train_args.save_every)):
+            if value % accumulation:  # a checkpoint cannot hold half-accumulated gradients
+                raise ValueError(f"{flag} {value} must be a multiple of gradient_accumulation_steps "
+                                 f"({accumulation}): each step is one micro-batch, and the run ends "
+                                 f"with a checkpoint")
         if args.hf_config:
             build_model(train_args)
     except (OSError, ValueError, RuntimeError) as e:

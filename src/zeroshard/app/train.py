@@ -2,7 +2,9 @@
 
 `launch` starts one process per rank through torch's elastic launcher (what torchrun uses); each
 rank runs `worker`, which reads top to bottom like any training loop. `zeroshard compare` runs the
-same worker once per stage and once with plain torch DDP (`ddp=True`) as the baseline.
+same worker once per stage and once with plain torch DDP (`ddp=True`) as the baseline. With
+`max_restarts`, the launcher restarts every rank after one dies and the group resumes from this run's
+last checkpoint (`save_every`), exactly: see restart.py.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import resource
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from zeroshard.paper import BYTES_PER_PARAM
 from .data import Batches, load_corpus
 from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
 from .report import MIB, memory_table, plot_losses, traffic_line
+from .restart import (drill_target, maybe_kill, new_run_id, report_line, resume, store_per_attempt,
+                      write_progress)
 
 
 @dataclass
@@ -46,6 +50,9 @@ class TrainArgs:
     hf_config: str | None = None  # a Hugging Face config.json: that architecture, built from scratch
     out: str = "out"
     resume: bool = False
+    max_restarts: int = 0        # the launcher restarts the whole group up to this many times
+    save_every: int = 0          # checkpoint every this many steps too (0: only at the end)
+    run_id: str = ""             # set by launch, once per call: which checkpoints are this run's
     sample_tokens: int = 160
     seed: int = 0
     quiet: bool = False          # compare: no progress bar, no report
@@ -72,15 +79,20 @@ def build_model(args: TrainArgs) -> nn.Module:
 
 
 def launch(args: TrainArgs) -> dict[str, Any]:
-    """Run `worker` on args.nproc local ranks; returns rank 0's results."""
+    """Run `worker` on args.nproc local ranks, restarting them all up to args.max_restarts times
+    after one fails; returns rank 0's results (of the attempt that finished)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    drill_target()  # a malformed drill variable fails here, once, not in every rank
+    args = replace(args, run_id=new_run_id())  # a fresh id per call, even for reused args
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"zeroshard-{port}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                          run_id=f"zeroshard-{args.run_id}", rdzv_backend="c10d",
+                          rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=args.max_restarts,
                           monitor_interval=0.2)
-    return elastic_launch(config, worker)(args)[0]
+    with store_per_attempt():
+        return elastic_launch(config, worker)(args)[0]
 
 
 def worker(args: TrainArgs) -> dict[str, Any]:
@@ -104,12 +116,14 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     rank, world = zeroshard.rank_and_world_size()
     data = Batches(load_corpus(args.data or None), args.seq_len)
     checkpoints = os.path.join(args.out, "checkpoints")
-    history: list[float] = []
-    if args.resume:
-        history = engine.load_checkpoint(checkpoints)["losses"]
+    history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume)
     progress = _progress(args, rank, initial=len(history))
     times, tokens = [], 0
+    kill, track = drill_target(), args.max_restarts > 0 and rank == 0
+    if track:
+        os.makedirs(args.out, exist_ok=True)
     for step in range(len(history), args.steps):
+        maybe_kill(kill, rank, step)
         batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * world + rank)
         x, y = (t.to(engine.device) for t in data.get("train", args.batch_size, batch_rng))
         start = time.perf_counter()
@@ -123,20 +137,44 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
                              states_MiB=f"{engine.memory_stats()['model_states'] / MIB:.1f}")
         progress.update()
+        resumed.first_step_done()
+        _checkpoint_if_due(engine, args, history, track)
     progress.close()
     val = _evaluate(engine, data, args)
     stats = engine.memory_stats()
     if not args.ddp:
-        engine.save_checkpoint(checkpoints, client_state={"losses": history, "args": asdict(args)})
+        engine.save_checkpoint(checkpoints, client_state=_client_state(args, history))
     text = _sample(engine, args)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
     peaks = zeroshard.gather_objects((_peak_rss() - rss_before, _gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
         _report(engine, args, per_rank, history, val, text, sum(times))
+        if resumed.restarts:
+            print(report_line(resumed))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
             "model_states": stats["model_states"], "psi": engine.num_parameters(),
-            "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks)}
+            "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks),
+            "run_id": args.run_id, **resumed.as_dict()}
+
+
+def _checkpoint_if_due(engine, args: TrainArgs, history: list[float], track: bool) -> None:
+    """After each step: rank 0 records the progress (when restarts are allowed), and every
+    save_every steps all ranks save a checkpoint (the last step's is saved after evaluation)."""
+    done = len(history)
+    if track:
+        write_progress(args.out, args.run_id, done)
+    if not args.ddp and args.save_every > 0 and done % args.save_every == 0 and done < args.steps:
+        engine.save_checkpoint(os.path.join(args.out, "checkpoints"),
+                               client_state=_client_state(args, history))
+        if track:  # alive after the save: the restart time counts from here
+            write_progress(args.out, args.run_id, done)
+
+
+def _client_state(args: TrainArgs, history: list[float]) -> dict[str, Any]:
+    """What a resumed run needs besides the engine's state: the loss history (its length is the
+    step to resume from), the arguments, and the run id that marks the checkpoint as this run's."""
+    return {"losses": list(history), "args": asdict(args), "run_id": args.run_id}
 
 
 def _peak_rss() -> int:
@@ -165,9 +203,12 @@ def _progress(args: TrainArgs, rank: int, initial: int):
 
 @torch.no_grad()
 def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
+    """Validation loss in eval mode (no dropout, so no draw from the RNG the checkpoint saves)."""
     rng = torch.Generator().manual_seed(12345 + zeroshard.rank_and_world_size()[0])
     pairs = (data.get("val", args.batch_size, rng) for _ in range(batches))
+    engine.eval()
     losses = [lm_loss(logits_of(engine(x.to(engine.device))), y.to(engine.device)) for x, y in pairs]
+    engine.train()
     return zeroshard.mean_over_ranks(torch.stack(losses).mean())
 
 
@@ -176,8 +217,10 @@ def _sample(engine, args: TrainArgs) -> str:
     if not args.sample_tokens:
         return ""
     prompt = torch.tensor([list(b"def ")], device=engine.device)
+    engine.eval()
     out = sample(lambda idx: logits_of(engine(idx)), prompt, args.sample_tokens, args.seq_len,
                  torch.Generator().manual_seed(args.seed))
+    engine.train()
     return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
 
 
@@ -216,6 +259,13 @@ class DDPBaseline:
 
     def __call__(self, *args: Any) -> Any:
         return self.module(*args)
+
+    def train(self, mode: bool = True) -> "DDPBaseline":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "DDPBaseline":
+        return self.train(False)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
