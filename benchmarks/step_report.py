@@ -37,7 +37,7 @@ def report(args: argparse.Namespace, timing: dict, rss: dict) -> str:
                   "| paper (MiB) |",
                   "|---|---|---|---|---|---|---|"]
         for m, z in timing["zeroshard"].items():
-            s, psi = int(m[-1]), z["psi"]
+            s, psi = int(m.removesuffix("+compiled")[-1]), z["psi"]
             paper = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[s]
             lines.append(f"| {m} | {s} | {psi:,} | {z['model_states'] / mib:.2f} | {paper / mib:.2f} | "
                          f"{sum(z['traffic'].values()) / mib:.2f} | "

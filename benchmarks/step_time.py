@@ -42,6 +42,7 @@ ALL = (["ddp", "zero_optim", "fsdp2_reshard", "fsdp2_keep"]
        + [f"{lib}_{stage}" for lib in ("zeroshard", "deepspeed") for stage in range(4)]
        + [f"zeroshard-overlap_{stage}" for stage in (0, 1, 2)]  # overlap_comm forced on (default at 3)
        + ["zeroshard-sync_3"])  # overlap_comm forced off
+COMPILED = "+compiled"  # any name with this suffix: the same, with each block torch.compile'd first
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
@@ -150,7 +151,12 @@ def build_deepspeed(model: GPT, args: argparse.Namespace, stage: int) -> Step:
 
 
 def build(name: str, args: argparse.Namespace, stats: dict) -> Step:
-    model, stage = new_model(args), name.rpartition("_")[2]
+    model = new_model(args)
+    if name.endswith(COMPILED):  # FSDP2's pattern: one graph per block, the wrappers' hooks between
+        name = name.removesuffix(COMPILED)
+        for block in model.blocks:
+            block.compile()
+    stage = name.rpartition("_")[2]
     if name in ("ddp", "zero_optim"):
         return build_ddp(model, args, zero_optim=name == "zero_optim")
     if name.startswith("fsdp2"):
@@ -226,7 +232,8 @@ def parse() -> argparse.Namespace:
     for flag, default in dict(layers=6, width=256, seq=128, batch=4, warmup=3, steps=20, seed=0).items():
         p.add_argument(f"--{flag}", type=int, default=default, help=f"default {default}")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--impls", default=",".join(ALL), help="comma-separated subset of: " + ",".join(ALL))
+    p.add_argument("--impls", default=",".join(ALL), help="comma-separated subset of: " + ",".join(ALL)
+                   + f" (a name ending in {COMPILED}: each block torch.compile'd)")
     p.add_argument("--rss", action=argparse.BooleanOptionalAction, default=None,
                    help="measure peak RSS, each implementation in a fresh world "
                         "(default: on, off with --quick)")
@@ -238,8 +245,8 @@ def parse() -> argparse.Namespace:
     args.rss = not args.quick if args.rss is None else args.rss
     args.warmup = max(2, args.warmup)  # zeroshard's model states are read on the second step
     args.impls = [m for m in args.impls.split(",") if m]
-    if bad := [m for m in args.impls if m not in ALL]:
-        p.error(f"unknown implementations {bad}; choose from {ALL}")
+    if bad := [m for m in args.impls if m.removesuffix(COMPILED) not in ALL]:
+        p.error(f"unknown implementations {bad}; choose from {ALL}, each optionally with '{COMPILED}'")
     return args
 
 

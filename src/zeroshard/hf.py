@@ -1,15 +1,25 @@
-"""Any Hugging Face causal-LM architecture, built from a local config.json with fresh weights.
+"""Hugging Face integration: `ZeroTrainer` (transformers.Trainer on zeroshard, hf_trainer.py), and
+any causal-LM architecture built from a local config.json with fresh weights.
 
 Nothing is downloaded: the config is read from disk and the model is initialised from scratch, so
 `zeroshard train --hf-config config.json` trains, say, a small LLaMA or GPT-2 on the byte corpus.
-transformers is an optional dependency (pip install 'zeroshard[hf]').
+transformers is an optional dependency (pip install 'zeroshard[hf]'): importing this module does not
+import it; `zeroshard.hf.ZeroTrainer` does, on first use.
 """
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from torch import nn
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZeroTrainer":  # lazily: transformers is imported only when it is asked for
+        from .hf_trainer import ZeroTrainer
+        return ZeroTrainer
+    raise AttributeError(f"module 'zeroshard.hf' has no attribute {name!r}")
 
 
 def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:

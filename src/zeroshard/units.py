@@ -179,7 +179,7 @@ class Unit:
         it) waits for the unit's post-step all-gather before its forward, ahead of any user hook, and
         before its state_dict() or load_state_dict()."""
         unit = weakref.ref(self)
-        wait = lambda *_: unit() and unit().gather()  # noqa: E731 (returns None: changes nothing)
+        wait = torch._dynamo.disable(lambda *_: unit() and unit().gather())  # (None: changes nothing)
         inner = {m for u in units if u is not self and not u.is_root for m in u.module.modules()}
         for m in self.module.modules():
             if m not in inner:
@@ -199,8 +199,10 @@ class Unit:
         def post_forward(module: nn.Module, args: object, output: object) -> None:
             if unit() is not None and units() is not None:
                 unit()._post_forward(output, units())
-        self.module.register_forward_pre_hook(pre_forward)
-        self.module.register_forward_hook(post_forward)
+        # Compiled modules: the hooks swap parameters' storage in and out, which dynamo cannot trace;
+        # disabled, they run eagerly at a graph break and the graph sees only gathered parameters.
+        self.module.register_forward_pre_hook(torch._dynamo.disable(pre_forward))
+        self.module.register_forward_hook(torch._dynamo.disable(post_forward))
 
     def _post_forward(self, output: object, order: UnitVisitor) -> None:
         if torch._C._current_graph_task_id() != -1:

@@ -122,6 +122,6 @@ def test_lint():
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     if ruff is None:
         pytest.fail("ruff is not installed: pip install -e '.[test]'")
-    done = subprocess.run([ruff, "check", "src", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
-                          text=True)
+    done = subprocess.run([ruff, "check", "src", "tests", "benchmarks", "examples"], cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr

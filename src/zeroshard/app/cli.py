@@ -25,6 +25,8 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="fp32, or mixed precision with fp32 master weights (default fp32)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (every nn.ModuleList entry) before training")
     p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
                                                          "Python standard library's own source)")
     p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage, --precision and the "

@@ -32,8 +32,19 @@ _NOT_IMPLEMENTED_ZERO = {
     "log_trace_cache_warnings", "stage3_module_granularity_threshold",
 }
 
+
+def _refuse_auto(key: str, value: Any) -> None:
+    """DeepSpeed's "auto" means "the Hugging Face Trainer decides": only zeroshard.hf.ZeroTrainer
+    fills it in (from TrainingArguments); given to initialize it is refused by name."""
+    if isinstance(value, str) and value == "auto":
+        raise ConfigError(f"config key '{key}' is \"auto\": a placeholder that zeroshard.hf.ZeroTrainer "
+                          f"fills from TrainingArguments; zeroshard.initialize needs a value (or leave the "
+                          f"key out for its default)")
+
+
 def _as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     # JSON configs write big sizes as 5e8: accept integral floats, refuse bools, fractions, inf and nan.
+    _refuse_auto(key, value)
     span = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             (isinstance(value, float) and not math.isfinite(value)) or value != int(value):
@@ -47,6 +58,7 @@ def _as_number(key: str, value: Any, minimum: float | None = None, *, above: boo
                maximum: float | None = None, note: str = "") -> float:
     """A finite real number (not a bool), >= minimum (> minimum with `above`) and <= maximum; `note`
     follows the accepted range in the error."""
+    _refuse_auto(key, value)
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok and minimum is not None:
         ok = value > minimum if above else value >= minimum
@@ -61,12 +73,14 @@ def _as_number(key: str, value: Any, minimum: float | None = None, *, above: boo
 
 
 def _as_bool(key: str, value: Any) -> bool:
+    _refuse_auto(key, value)
     if not isinstance(value, bool):
         raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
     return value
 
 
 def _as_dict(key: str, value: Any) -> dict[str, Any]:
+    _refuse_auto(key, value)
     if not isinstance(value, dict):
         raise ConfigError(f"config key '{key}' must be an object, got {type(value).__name__}")
     return value
@@ -121,6 +135,7 @@ def _optimizer(cfg: Settings, value: Any) -> None:
         raise ConfigError(f"unknown config key(s) optimizer.{sorted(map(str, extra))[0]}; "
                           f"accepted: type, params")
     kind = section.get("type")
+    _refuse_auto("optimizer.type", kind)
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
         raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
                           f"(case-insensitive), got {kind!r}")
@@ -144,6 +159,7 @@ def _optimizer_params(value: Any) -> dict[str, Any]:
         if not isinstance(key, str):
             raise ConfigError(f"config key 'optimizer.params' holds the optimizer's keyword arguments: its "
                               f"keys must be strings, got {key!r}")
+        _refuse_auto(name, v)  # any keyword argument: torch would refuse it only at construction
         if key in _OPTIMIZER_NUMBERS and not isinstance(v, torch.Tensor):  # torch takes a tensor lr
             _as_number(name, v)
         elif key in _OPTIMIZER_FLAGS or (key in _OPTIMIZER_CHOICES and v is not None):
@@ -203,6 +219,7 @@ def _bf16(cfg: Settings, value: Any) -> None:
 
 
 def _communication_dtype(cfg: Settings, value: Any) -> None:
+    _refuse_auto("communication_data_type", value)
     if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(f"config key 'communication_data_type' must be one of {', '.join(DTYPES)}, "
                           f"got {value!r}")
@@ -240,6 +257,7 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
     for key, v in _as_dict(f"zero_optimization.{section}", value).items():
         name = f"zero_optimization.{section}.{key}"
         if key == "device":
+            _refuse_auto(name, v)
             if v not in ("cpu", "none"):
                 hint = " (nvme is not implemented yet)" if v == "nvme" else ""
                 raise ConfigError(f"config key '{name}' must be \"cpu\" or \"none\", got {v!r}{hint}")
@@ -266,6 +284,7 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
         elif key == "unit_modules":
             cfg.unit_modules = _unit_modules(v)
         elif key == "check_collectives":  # true: every step; an integer K: every K steps
+            _refuse_auto(name, v)
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
             if not (isinstance(v, bool) or ok):
                 raise ConfigError(f"config key '{name}' must be true, false or a number of steps >= 0, "
@@ -274,6 +293,7 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
         elif key == "collective_timeout":  # at most ~31 years: a timedelta holds it
             cfg.collective_timeout = _as_number(name, v, 0.0, above=True, maximum=1e9, note="seconds")
         elif key == "on_nonfinite":
+            _refuse_auto(name, v)
             if v not in ("raise", "skip"):
                 raise ConfigError(f"config key '{name}' must be \"raise\" or \"skip\", got {v!r}")
             cfg.on_nonfinite = v

@@ -1,0 +1,255 @@
+"""ZeroTrainer: Hugging Face's Trainer, training through a zeroshard engine.
+
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
+                          zero_config={"zero_optimization": {"stage": 3}})   # dict, JSON path or Config
+    trainer.train(); trainer.save_model("out")    # an ordinary HF checkpoint: config + safetensors, fp32
+
+Trainer keeps its own loop (data, sampler, accumulation windows, loss scaling for accumulation, lr
+schedule, logging, evaluation, checkpoint rotation); only the parts that touch parameters or
+gradients are routed to the engine, through the smallest set of overrides:
+  create_optimizer  builds the engine (once per model) and gives Trainer `_EngineOptimizer`, whose
+                    step() is engine.step(); the lr scheduler Trainer builds over it moves the engine
+                    optimizer's own param_groups;
+  _wrap_model       returns `_EngineModule` (the engine as an nn.Module) instead of DDP, for training
+                    and evaluation alike (stage 3 needs the engine's forward to gather parameters);
+  training_step     Trainer's own, with its one accelerator.backward(loss) call sent to engine.backward;
+  _clip_grad_norm, _get_grad_norm, _maybe_log_save_evaluate: the engine clips inside step(), and the
+                    norm it measured there is what is logged;
+  save_model, _save_optimizer_and_scheduler, _load_from_checkpoint, _load_optimizer_and_scheduler,
+  _load_best_model  full weights from engine.full_state_dict(); sharded state via the engine's
+                    checkpoints (in `checkpoint-N/zeroshard`), which load at any world size.
+Invariants: the engine's own accumulation is 1 (Trainer calls engine.backward per micro-batch with the
+loss it already scaled, and engine.step() once per accumulation window), so its global_steps is
+Trainer's global_step; a checkpoint resumes only with the global batch it was written with, so the
+sampler's position (a function of the step) means the same samples.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from transformers import Trainer
+except ImportError:  # transformers is optional: pip install 'zeroshard[hf]'
+    raise ImportError("zeroshard.hf.ZeroTrainer needs transformers and accelerate: "
+                      "pip install 'zeroshard[hf]'") from None
+
+from . import initialize
+from .config import Config
+from .config.sections import OPTIMIZERS
+from .engine import Engine
+from .hf_config import check_arguments, resolve_config
+
+_STATE_DIR = "zeroshard"  # the engine's sharded checkpoint, inside Trainer's checkpoint-N folder
+_SHARDED_STATE = ("zeroshard's optimizer state is sharded across ranks: ZeroTrainer saves and loads it "
+                  "with the engine's checkpoints (checkpoint-N/zeroshard), not as one state_dict")
+
+
+class _EngineModule(nn.Module):
+    """The engine behind nn.Module's interface, for Trainer's loop. Holds no parameters of its own:
+    `.to()`, `.zero_grad()` and the like must not reach the engine's flat buffers."""
+
+    def __init__(self, engine: Engine, label_names: list[str]) -> None:
+        super().__init__()
+        self.engine, self._label_names = engine, set(label_names)
+        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(engine.config.precision)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._dtype is not None:  # the module computes in 16 bits: floating inputs follow (not labels)
+            kwargs = {k: v.to(self._dtype) if torch.is_tensor(v) and v.is_floating_point()
+                      and k not in self._label_names else v for k, v in kwargs.items()}
+        return self.engine(*args, **kwargs)
+
+    def _get_name(self) -> str:  # what Trainer's label smoother asks of the model (causal LM or not)
+        return self.engine.module._get_name()
+
+    def train(self, mode: bool = True) -> "_EngineModule":
+        self.training = mode
+        self.engine.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: engine.step() clears the flat gradients."""
+
+    def no_sync(self) -> Any:
+        """accelerator.no_sync calls this for all but the last micro-batch of a window. Stages 0-1 keep
+        full gradients anyway, so they reduce once per window, as DDP; stages 2-3 reduce-scatter each
+        micro-batch into their shards rather than hold full-size gradients between backwards."""
+        return self.engine.no_sync() if self.engine.config.stage < 2 else contextlib.nullcontext()
+
+
+class _EngineOptimizer(torch.optim.Optimizer):
+    """What Trainer calls its optimizer: step() is engine.step(); param_groups are the engine
+    optimizer's own (so the lr scheduler sets the learning rate the engine uses). Marked as prepared,
+    so accelerate neither wraps it nor misses `step_was_skipped` (an fp16 overflow, or a non-finite
+    step skipped by zeroshard.on_nonfinite: the lr schedule then stands still, as in Trainer).
+    Like accelerate's own optimizer wrapper, it does not run Optimizer.__init__."""
+
+    _is_accelerate_prepared = True
+
+    def __init__(self, engine: Engine) -> None:  # not Optimizer.__init__: it would take parameters
+        self.engine, self.step_was_skipped = engine, False
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self.engine.optimizer.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.engine.optimizer.state
+
+    def step(self, closure: Any = None) -> None:
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        self.step_was_skipped = self.engine.skipped_steps != skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: engine.step() clears the flat gradients."""
+
+    def state_dict(self) -> dict:
+        raise RuntimeError(_SHARDED_STATE)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        raise RuntimeError(_SHARDED_STATE)
+
+
+class ZeroTrainer(Trainer):
+    """transformers.Trainer on zeroshard: `zero_config` is a zeroshard/DeepSpeed config (dict, JSON
+    path or zeroshard.Config). Its "auto" values take the TrainingArguments value; a value that
+    contradicts TrainingArguments is refused, naming both (hf_config.py). Launch with torchrun."""
+
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any,
+                 zero_config: "dict | str | os.PathLike | Config | None" = None, **kwargs: Any) -> None:
+        self.engine: Engine | None = None
+        self._wrapped: _EngineModule | None = None
+        if args is not None:
+            check_arguments(args)  # before Trainer sets up a DeepSpeed or FSDP plugin from them
+        super().__init__(model, args, *rest, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # from the environment (accelerate launch)
+            raise ValueError("accelerate is set up for DeepSpeed or FSDP (ACCELERATE_USE_DEEPSPEED / "
+                             "ACCELERATE_USE_FSDP): ZeroTrainer is the sharding engine here; unset them")
+        if self.optimizer is not None or self.lr_scheduler is not None:
+            raise ValueError("ZeroTrainer builds its optimizer over zeroshard's flat shards, so "
+                             "`optimizers=` (built over the model's parameters) cannot be used: set "
+                             "TrainingArguments.optim, pass optimizer_cls_and_kwargs=(cls, kwargs), or give "
+                             "zero_config an \"optimizer\" section")
+        custom = self.optimizer_cls_and_kwargs is not None
+        self._engine_config = resolve_config(zero_config, self.args, custom_optimizer=custom)
+        if self.args.n_gpu > 1:  # one process seeing several GPUs: zeroshard runs one rank, on one GPU
+            self.args._n_gpu = 1   # (as Trainer does for model parallelism); launch torchrun for more
+
+    # ---- the engine ---------------------------------------------------------------------------------
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """initialize() moves the model to the group's device itself, one unit at a time."""
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Build the engine (collective; once per model) with Trainer's parameter groups: weight decay
+        for all but biases and norms."""
+        if self.engine is None or self.engine.module is not self.model:
+            self.engine = self._build_engine(self.model)
+            self._wrapped = _EngineModule(self.engine, self.label_names)
+            self.optimizer = _EngineOptimizer(self.engine)
+        return self.optimizer
+
+    def _build_engine(self, model: nn.Module) -> Engine:
+        config = dict(self._engine_config)
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups: list[dict] = [{"params": [p for n, p in named if n in decay]},
+                              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        optimizer = None  # the config's "optimizer" section: with offload, torch's fused host kernel
+        if "optimizer" not in config:
+            cls, options = self.optimizer_cls_and_kwargs or \
+                self.get_optimizer_cls_and_kwargs(self.args, model)
+            if cls in OPTIMIZERS.values():
+                config["optimizer"] = {"type": cls.__name__, "params": dict(options)}
+            else:  # the user's optimizer_cls_and_kwargs: initialize refuses a non-elementwise one
+                optimizer = lambda params: cls(params, **options)
+            groups[0]["weight_decay"] = self.args.weight_decay
+        engine = initialize(model, optimizer, config, param_groups=groups)
+        want = torch.device(self.args.device)
+        if want.type != engine.device.type or (want.type != "cpu" and want.index != engine.device.index):
+            raise RuntimeError(f"TrainingArguments put the inputs on {want}, but zeroshard's process group "
+                               f"works on {engine.device}: on GPUs run one NCCL rank per GPU (torchrun); "
+                               f"on the CPU pass TrainingArguments(use_cpu=True)")
+        return engine
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """The engine, for training and evaluation alike; never DDP or DataParallel."""
+        self.create_optimizer()
+        return self._wrapped
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None) -> torch.Tensor:
+        # Trainer scales the loss for accumulation as it always does, then calls accelerator.backward
+        # once: that call goes to the engine (gradients into flat buffers, reduced; fp16 loss scale).
+        self.accelerator.backward = lambda loss, **_: self.engine.backward(loss)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del self.accelerator.backward  # the class's method again
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        """The engine clips inside step(), by the global norm over every shard (gradient_clipping)."""
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        """Known only once engine.step() ran: see _maybe_log_save_evaluate."""
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kw: Any) -> None:
+        # The norm the engine measured in its last step (None when neither clipping nor fp16 needed it).
+        super()._maybe_log_save_evaluate(tr_loss, self.engine.last_grad_norm, *args, **kw)
+
+    # ---- saving and resuming ------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """An ordinary Hugging Face checkpoint of the full fp32 weights, which `from_pretrained` loads
+        without zeroshard; tied weights saved once, as save_pretrained does. Collective: every rank
+        gathers the full state on the CPU (engine.full_state_dict), rank 0 writes."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        self._save(output_dir, state_dict=self.engine.full_state_dict())
+        config = getattr(self.model, "config", None)
+        if self.args.should_save and hasattr(config, "save_pretrained"):
+            config.dtype = "float32"  # save_pretrained recorded the module's dtype: bf16/fp16 in 16 bits
+            config.save_pretrained(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Collective: the engine's sharded checkpoint, with the lr schedule and the global batch."""
+        self.engine.save_checkpoint(os.path.join(output_dir, _STATE_DIR), client_state={
+            "lr_scheduler": self.lr_scheduler.state_dict(), "global_batch": self._global_batch()})
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Weights come with the engine's state, once the engine exists (_load_optimizer_and_scheduler)."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, _STATE_DIR)):
+            raise ValueError(f"'{resume_from_checkpoint}' holds no zeroshard state ('{_STATE_DIR}/'): "
+                             f"ZeroTrainer resumes from the checkpoints it saved (without save_only_model)")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Collective. Any world size and stage; the global batch must be the one saved (checked on
+        every rank alike, before training goes on)."""
+        if checkpoint is None:
+            return
+        saved = self.engine.load_checkpoint(os.path.join(checkpoint, _STATE_DIR))
+        if saved["global_batch"] != self._global_batch():
+            raise ValueError(f"'{checkpoint}' was saved with a global batch of {saved['global_batch']} "
+                             f"samples per step, this run has {self._global_batch()} "
+                             f"(per_device_train_batch_size x gradient_accumulation_steps x world size): "
+                             f"the sampler resumes by step, so keep the global batch")
+        self.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end: the best checkpoint's sharded state, weights and optimizer alike."""
+        self.engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, _STATE_DIR))
+
+    def _global_batch(self) -> int:
+        args = self.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
