@@ -136,9 +136,11 @@ def _commit(directory: str, tmp: str, final: str, tag: str) -> None:
 def resolve(path: str, missing_ok: bool = False) -> str | None:
     """A checkpoint directory, or a parent holding `latest`. With missing_ok, a path that does not
     exist or an empty directory (nothing saved yet) gives None instead of an error."""
-    if missing_ok and (not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))):
-        return None
-    return _resolve(path)[0]
+    return None if missing_ok and _nothing_saved(path) else _resolve(path)[0]
+
+
+def _nothing_saved(path: str) -> bool:
+    return not os.path.exists(path) or (os.path.isdir(path) and not os.listdir(path))
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
@@ -178,7 +180,7 @@ def info(path: str, missing_ok: bool = False) -> dict[str, Any] | None:
     """What a checkpoint holds besides tensors, read without a process group: its path, tag,
     global_steps, world_size, stage, config and client_state. None if missing (with missing_ok).
     Its files are verified first."""
-    if resolve(path, missing_ok) is None:
+    if missing_ok and _nothing_saved(path):
         return None
     resolved, parent = _resolve(path)
     integrity.verify(resolved, parent=parent)
