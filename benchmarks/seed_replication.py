@@ -1,6 +1,8 @@
 """The seed replication's experiment: Hugging Face Trainer fine-tuning a BERT sequence classifier,
 standard Trainer against ZeroTrainer with the seed's DeepSpeed config exactly as written
-(stage 3 + optimizer offload to the CPU, no batch keys), and Trainer + DeepSpeed where installed.
+(stage 3 + optimizer offload to the CPU, no batch keys), and Trainer + DeepSpeed where installed: the
+seed config as written ("deepspeed"; DeepSpeed refuses a config without batch keys, and the Trainer fills
+in only keys that are present) and with the one "auto" batch key added ("deepspeed-auto-batch").
 
     python seed_replication.py                    # bert-large shape on a GPU; a small BERT on the CPU
     python seed_replication.py --size large --device cuda --batch 8 16
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -25,6 +28,8 @@ SIZES = {  # (layers, hidden, heads, intermediate): large is bert-large-uncased'
     "small": (4, 256, 4, 1024),
 }
 SEED_CONFIG = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+AUTO_BATCH = {"train_micro_batch_size_per_gpu": "auto"}  # the least the Trainer + DeepSpeed accepts
+DEEPSPEED_CONFIGS = {"deepspeed": SEED_CONFIG, "deepspeed-auto-batch": {**SEED_CONFIG, **AUTO_BATCH}}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
@@ -51,7 +56,7 @@ def run_one(kind: str, batch: int, args: argparse.Namespace) -> dict:
         per_device_eval_batch_size=batch, num_train_epochs=1, eval_strategy="steps",
         eval_steps=args.eval_every, logging_steps=1, save_strategy="no", report_to=[], seed=0,
         use_cpu=args.device == "cpu", disable_tqdm=True,
-        deepspeed=SEED_CONFIG if kind == "deepspeed" else None)
+        deepspeed=DEEPSPEED_CONFIGS.get(kind))
     train, evaluation = dataset(args.train, args.seq, 1), dataset(args.eval, args.seq, 2)
     if kind == "zeroshard":
         from zeroshard.hf import ZeroTrainer
@@ -73,7 +78,8 @@ def run_one(kind: str, batch: int, args: argparse.Namespace) -> dict:
             "eval_losses": [h["eval_loss"] for h in history if "eval_loss" in h]}
 
 
-def in_fresh_process(kind: str, batch: int, args: argparse.Namespace) -> dict | None:
+def in_fresh_process(kind: str, batch: int, args: argparse.Namespace) -> dict:
+    """One run in a fresh process: its figures, or {"kind", "batch", "error"} (the last error line)."""
     command = [sys.executable, __file__, "--one", kind, "--batch", str(batch), "--size", args.size,
                "--device", args.device, "--train", str(args.train), "--eval", str(args.eval),
                "--seq", str(args.seq), "--eval-every", str(args.eval_every), "--scratch", args.scratch]
@@ -83,7 +89,9 @@ def in_fresh_process(kind: str, batch: int, args: argparse.Namespace) -> dict | 
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         print(f"{kind}, batch {batch}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
-        return None
+        errors = [ln.removeprefix("[rank0]: ") for ln in done.stderr.splitlines()
+                  if re.match(r"(\[rank0\]: )?\w*(Error|Exception)\b", ln)]
+        return {"kind": kind, "batch": batch, "error": errors[-1] if errors else f"exit {done.returncode}"}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -96,6 +104,7 @@ def deepspeed_installed() -> bool:
 
 
 def report(results: list[dict], args: argparse.Namespace) -> str:
+    failed, results = [r for r in results if "error" in r], [r for r in results if "error" not in r]
     first = results[0]
     lines = [f"# Seed replication: BertForSequenceClassification ({args.size}, Ψ = {first['params']:,}), "
              f"seq {args.seq}, {args.train} train / {args.eval} eval samples, 1 epoch, eval every "
@@ -114,6 +123,11 @@ def report(results: list[dict], args: argparse.Namespace) -> str:
                          f"{', '.join(f'{v:.4f}' for v in r['eval_losses'])} |")
     if not deepspeed_installed():
         lines += ["", "Trainer + DeepSpeed: not run (deepspeed is not installed here)."]
+    for r in failed:
+        lines += ["", f"{r['kind']}, batch {r['batch']}: failed: `{r['error']}`"]
+    if any(r["kind"] == "deepspeed-auto-batch" for r in results):
+        lines += ["", "deepspeed-auto-batch: Trainer + DeepSpeed with the seed config plus "
+                  f"`{json.dumps(AUTO_BATCH)}` (the Trainer fills it from per_device_train_batch_size)."]
     lines += ["", "zeroshard: the seed config as written, "
               f"`{json.dumps(SEED_CONFIG)}`; targets (on one H100, bert-large): ZeroTrainer ≤ 1.5× the "
               "standard time, peak ≤ DeepSpeed's, losses equal to standard."]
@@ -143,8 +157,8 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.batch[0], args)), flush=True)
         return
-    kinds = ["standard", "zeroshard"] + (["deepspeed"] if deepspeed_installed() else [])
-    results = [r for batch in args.batch for kind in kinds if (r := in_fresh_process(kind, batch, args))]
+    kinds = ["standard", "zeroshard"] + (list(DEEPSPEED_CONFIGS) if deepspeed_installed() else [])
+    results = [in_fresh_process(kind, batch, args) for batch in args.batch for kind in kinds]
     text = report(results, args)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "seed_replication.md"), "w") as f:

@@ -39,12 +39,13 @@ def test_train_resume_and_consolidate(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
-    # Resume on 3 ranks at stage 2, now with optimizer offload: it continues from step 20.
+    # Resume on 3 ranks at stage 2, now with optimizer offload and compiled blocks: from step 20.
     second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
-                       "--out", out, "--resume", "--offload-optimizer").stdout
+                       "--out", out, "--resume", "--offload-optimizer", "--compile").stdout
     assert "ZeRO stage 2, 3 ranks" in second and "MiB in host memory" in second
     resumed = _train_losses(out)
     assert resumed[:20] == losses and len(resumed) == 25
+    assert max(resumed[20:]) < losses[0] - 1.0  # compiled, it goes on from where it was
     consolidated = zeroshard("consolidate", os.path.join(out, "checkpoints"), str(tmp_path / "w.pt"))
     assert consolidated.stdout.startswith("wrote")
 
@@ -103,3 +104,12 @@ def test_user_errors(args, message):
 @pytest.mark.parametrize("command", ["train", "compare", "estimate", "consolidate"])
 def test_every_command_has_help(command):
     assert "usage: zeroshard " + command in zeroshard(command, "--help").stdout
+
+
+def test_compile_flag_compiles_every_block():
+    from zeroshard.app.train import TrainArgs, build_model, compile_blocks
+    model = build_model(TrainArgs(size="tiny"))
+    compile_blocks(model)
+    blocks = list(model.blocks)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert model._compiled_call_impl is None  # the blocks, not the whole model (FSDP2's pattern)

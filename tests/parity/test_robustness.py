@@ -248,7 +248,7 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
     recomputation runs inside backward on the gathered unit, which must not be freed by it."""
     ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
     for flavour in ("non-reentrant", "reentrant"):
-        for stage in (0, 3):
+        for stage in (0, 1, 2, 3):
             torch.manual_seed(0)
             engine = zeroshard.initialize(TinyGPT(checkpointing=flavour), _sgd,
                                           {"zero_optimization": {"stage": stage}})
@@ -269,5 +269,5 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
             assert_weights_match(engine, ref_model.state_dict(), 1e-5, 1e-6, f"{what}:")
 
 
-def test_activation_checkpointing_at_stage_3():
+def test_activation_checkpointing_at_every_stage():
     spawn(_activation_checkpointing, 2)
