@@ -84,6 +84,7 @@ def in_fresh_process(kind: str, batch: int, args: argparse.Namespace) -> dict:
                "--device", args.device, "--train", str(args.train), "--eval", str(args.eval),
                "--seq", str(args.seq), "--eval-every", str(args.eval_every), "--scratch", args.scratch]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
+           "OMP_NUM_THREADS": str(args.threads),  # the same for every run (accelerate picks its own)
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -142,6 +143,9 @@ def main() -> None:
     p.add_argument("--train", type=int, default=None, help="training samples (default 800; 160 on cpu)")
     p.add_argument("--eval", type=int, default=None, help="evaluation samples (default 200; 40 on cpu)")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per run (default: 1 on the cpu, "
+                   "where more threads on a shared machine slow some runs far more than others; all on cuda, "
+                   "where the offloaded optimizer steps on the host)")
     p.add_argument("--eval-every", type=int, default=None, help="default 50 (5 on cpu)")
     p.add_argument("--scratch", default=os.path.join(OUT, "seed_replication_runs"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one kind in this process
@@ -154,6 +158,7 @@ def main() -> None:
     args.train = args.train or (160 if cpu else 800)
     args.eval = args.eval or (40 if cpu else 200)
     args.eval_every = args.eval_every or (5 if cpu else 50)
+    args.threads = args.threads or (1 if cpu else os.cpu_count() or 1)
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.batch[0], args)), flush=True)
         return
