@@ -14,6 +14,7 @@ without LOCAL_RANK (a plain `python train.py`) the current GPU stays, as torch.c
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -67,6 +68,15 @@ def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -
         dist.init_process_group(chosen, timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    atexit.register(_release_group)
+
+
+def _release_group() -> None:
+    """At exit, the group zeroshard started is destroyed, unless the script did it already: a gloo
+    group left alive to the interpreter's teardown can abort the process there (std::terminate,
+    seen on torch 2.13 once torch._dynamo has run)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -330,18 +330,23 @@ class Engine:
         return extra["client_state"]
 
     # ---- views and measurements -----------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank; with
+        rank0_only, on rank 0 alone (the others take part in the gathers, keep nothing and get {}:
+        an export on a node of N ranks then holds one host copy of the model, not N)."""
         values: dict[str, torch.Tensor] = {}
+        keep = not rank0_only or self.comm.rank == 0
         self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
                 for slot, value in flat.gathered_params():
-                    values.update(dict.fromkeys(slot.names, value.float().cpu().clone()))
+                    if keep:
+                        values.update(dict.fromkeys(slot.names, value.float().cpu().clone()))
             for name, buffer in self._buffers.items():
                 copy = buffer.detach().clone()
                 self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
-                values[name] = (copy.float() if copy.is_floating_point() else copy).cpu()
+                if keep:
+                    values[name] = (copy.float() if copy.is_floating_point() else copy).cpu()
         return {k: values[k] for k in self._state_dict_keys if k in values}
 
     def memory_stats(self) -> dict[str, int]:

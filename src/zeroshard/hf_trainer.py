@@ -210,11 +210,11 @@ class ZeroTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """An ordinary Hugging Face checkpoint of the full fp32 weights, which `from_pretrained` loads
         without zeroshard; tied weights saved once, as save_pretrained does. Collective: every rank
-        gathers the full state on the CPU (engine.full_state_dict), rank 0 writes."""
+        takes part in the gathers; only rank 0 keeps the full state (on the CPU) and writes it."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        self._save(output_dir, state_dict=self.engine.full_state_dict())
+        self._save(output_dir, state_dict=self.engine.full_state_dict(rank0_only=True))  # only 0 writes
         config = getattr(self.model, "config", None)
         if self.args.should_save and hasattr(config, "save_pretrained"):
             config.dtype = "float32"  # save_pretrained recorded the module's dtype: bf16/fp16 in 16 bits

@@ -179,7 +179,7 @@ class Unit:
         it) waits for the unit's post-step all-gather before its forward, ahead of any user hook, and
         before its state_dict() or load_state_dict()."""
         unit = weakref.ref(self)
-        wait = torch._dynamo.disable(lambda *_: unit() and unit().gather())  # (None: changes nothing)
+        wait = _eager(lambda *_: unit() and unit().gather())  # (returns None: changes nothing)
         inner = {m for u in units if u is not self and not u.is_root for m in u.module.modules()}
         for m in self.module.modules():
             if m not in inner:
@@ -199,10 +199,8 @@ class Unit:
         def post_forward(module: nn.Module, args: object, output: object) -> None:
             if unit() is not None and units() is not None:
                 unit()._post_forward(output, units())
-        # Compiled modules: the hooks swap parameters' storage in and out, which dynamo cannot trace;
-        # disabled, they run eagerly at a graph break and the graph sees only gathered parameters.
-        self.module.register_forward_pre_hook(torch._dynamo.disable(pre_forward))
-        self.module.register_forward_hook(torch._dynamo.disable(post_forward))
+        self.module.register_forward_pre_hook(_eager(pre_forward))
+        self.module.register_forward_hook(_eager(post_forward))
 
     def _post_forward(self, output: object, order: UnitVisitor) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -216,6 +214,13 @@ class Unit:
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grad: order.before_backward(self), mode="any")
+
+
+def _eager(hook: Callable) -> Callable:
+    """A hook dynamo runs eagerly at a graph break rather than tracing: the unit hooks swap
+    parameters' storage in and out, which dynamo cannot trace, so a compiled module (compiled
+    before or after initialize) only ever sees gathered parameters."""
+    return torch._dynamo.disable(hook)
 
 
 def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, defer_gather: bool,

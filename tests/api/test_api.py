@@ -57,6 +57,12 @@ def _api(rank: int, world_size: int) -> None:
         fresh = TinyGPT()
         fresh.load_state_dict(state)
         torch.testing.assert_close(fresh(x), plain(x))
+        # rank0_only: the same on rank 0, nothing kept elsewhere (the others only join the gathers).
+        only = engine.full_state_dict(rank0_only=True)
+        if rank == 0:
+            assert list(only) == list(state) and all(torch.equal(only[k], state[k]) for k in state)
+        else:
+            assert only == {}
         # Two half-batch backwards then one step == one full-batch backward then one step.
         split = zeroshard.initialize(_copy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
                                      {"zero_optimization": {"stage": stage}})
