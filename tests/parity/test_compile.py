@@ -59,14 +59,19 @@ def reference(world_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 def train(model: torch.nn.Module, stage: int, rank: int, world_size: int) -> tuple[object, list[float]]:
     engine = zeroshard.initialize(model, sgd, {"zero_optimization": {"stage": stage}})
+    return engine, run_steps(engine, data(world_size), rank)
+
+
+def run_steps(engine, batches: list[torch.Tensor], rank: int) -> list[float]:
+    """One step per global batch, on this rank's slice; the mean loss over ranks of each."""
     losses = []
-    for x in data(world_size):
+    for x in batches:
         mine = x[PER_RANK * rank:PER_RANK * (rank + 1)]
         loss = engine(mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
         losses.append(zeroshard.mean_over_ranks(loss))
-    return engine, losses
+    return losses
 
 
 def check(engine, losses, expected, what: str) -> None:
@@ -95,21 +100,9 @@ def _compiled(rank: int, world_size: int) -> None:
             what = f"compiled {how}, stage {stage}"
             assert graphs > 0, f"{what}: nothing was compiled"
             check(engine, losses, expected, what)
-            more, more_losses = train_more(engine, rank, world_size)
+            more_losses = run_steps(engine, data(world_size)[:2], rank)  # after these: no recompiling
             assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs, f"{what}: recompiled"
             assert all(torch.isfinite(torch.tensor(more_losses))), what
-
-
-def train_more(engine, rank: int, world_size: int):
-    """Two more steps on the same engine: after the first steps nothing may recompile."""
-    losses = []
-    for x in data(world_size)[:2]:
-        mine = x[PER_RANK * rank:PER_RANK * (rank + 1)]
-        loss = engine(mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return engine, losses
 
 
 def _checkpointed(rank: int, world_size: int) -> None:
