@@ -24,19 +24,23 @@ from .engine import Engine
 from .memory import optimizer_state_bytes, tensor_bytes
 from .optim import OptimizerSpec
 from .paper import paper_model_state_bytes
+from .parallel import split as _split_mesh
+from .parallel import tensor_parallel
 
 __all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "checkpoint_info", "Config",
            "ConfigError", "CheckpointError", "DivergenceError", "NonFiniteError", "Engine",
            "ModelMismatchError", "paper_model_state_bytes", "ensure_process_group", "rank_and_world_size",
-           "mean_over_ranks", "gather_objects", "tensor_bytes", "optimizer_state_bytes"]
+           "mean_over_ranks", "gather_objects", "tensor_bytes", "optimizer_state_bytes", "tensor_parallel"]
 __version__ = "0.1.0"
 
 
 def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
                config: "Config | dict | str | os.PathLike | None" = None,
                process_group: dist.ProcessGroup | None = None,
-               param_groups: list[dict] | None = None, lr_scheduler=None) -> Engine:
-    """Wrap `model` for ZeRO data parallelism over `process_group` (default: the world).
+               param_groups: list[dict] | None = None, lr_scheduler=None, mesh=None) -> Engine:
+    """Wrap `model` for ZeRO data parallelism over `process_group` (default: the world), or over
+    mesh["dp"] of a DeviceMesh named ("dp", "tp") whose "tp" dimension the model was already split
+    over (zeroshard.tensor_parallel or torch's parallelize_module); a 1-D mesh is data parallelism.
 
     optimizer: a callable `params -> torch.optim.Optimizer`, an Optimizer class, or None to use the
     config's DeepSpeed-style "optimizer" section. param_groups: optional torch-style groups over the
@@ -46,6 +50,7 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
     Without a process group, one is started from torchrun's variables, or as a single process.
     """
     cfg = Config.load(config)
-    if process_group is None:
+    axes = _split_mesh(mesh, process_group)
+    if process_group is None and mesh is None:
         ensure_process_group()
-    return Engine(model, optimizer, cfg, Comm(process_group), param_groups, lr_scheduler)
+    return Engine(model, optimizer, cfg, Comm(axes.dp_group), param_groups, lr_scheduler, axes)

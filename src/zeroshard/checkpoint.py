@@ -1,7 +1,9 @@
 """Sharded checkpoints on torch.distributed.checkpoint (DCP) that load at any world size and stage.
 
 Layout-free format: every rank writes only the elements it owns, as *pieces* of each parameter
-(flattened, fp32, keyed "param/<name>/<start>") and of each elementwise optimizer state
+(flattened, fp32, keyed "param/<name>/<start>"; a parameter split over tp along dim d is
+flattened with d first, meta["dims"][name] = d, so each rank's piece is one range: see
+parallel/dtensor.py) and of each elementwise optimizer state
 ("optim.<key>/<name>/<start>"). Nothing in the files depends on N, padding or the stage, so on load
 each rank reads exactly the pieces that overlap what it now holds. Small state (shapes, scalar
 optimizer state, counters, scaler, scheduler, config, the user's client_state) is one pickled blob
@@ -30,18 +32,27 @@ from . import checkpoint_meta, integrity
 from .comm import Comm
 from .flat_param import FlatParam
 from .integrity import CheckpointError
+from .parallel.dtensor import canonical, from_canonical
 
 LATEST = "latest"
 
 
 # ---- where each rank's elements are -------------------------------------------------------------
 def _slices(flat: FlatParam, lo: int, hi: int):
-    """(canonical name, start within the parameter, [a, b) within the padded buffer) of every
-    parameter's elements that fall in [lo, hi)."""
-    for slot in flat.layout.slots:
+    """(canonical name, start within the whole parameter, [a, b) within the padded buffer, the dim
+    laid first) of every parameter's elements that fall in [lo, hi). Under tp the buffer holds a
+    shard, which begins at spec.start of the whole parameter (flattened with spec.dim first)."""
+    for slot, spec in zip(flat.layout.slots, flat.specs):
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a < b:
-            yield slot.names[0], a - slot.offset, a, b
+            base, dim = (spec.start, spec.dim) if spec is not None and spec.sharded else (0, 0)
+            yield slot.names[0], base + a - slot.offset, a, b, dim
+
+
+def _whole_shapes(flats: list[FlatParam]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """name -> (the whole parameter's shape, all its names): the shard's, without tp."""
+    return {slot.names[0]: (tuple(spec.global_shape) if spec is not None else tuple(slot.shape), slot.names)
+            for f in flats for slot, spec in zip(f.layout.slots, f.specs)}
 
 
 # ---- save -----------------------------------------------------------------------------------------
@@ -64,7 +75,7 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         values = flat.owned_values().detach()
         values = values[owned] if values.numel() == flat.layout.padded_numel else values
         opt_state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
-        for name, start, a, b in _slices(flat, *flat.range):
+        for name, start, a, b, _ in _slices(flat, *flat.range):
             piece = slice(a - flat.range[0], b - flat.range[0])
             state[f"param/{name}/{start}"] = values[piece].float().cpu().clone()
             for key, value in opt_state.items():
@@ -105,14 +116,16 @@ def _is_elementwise(value: Any, flat: FlatParam) -> bool:
 
 
 def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pieces) -> dict[str, Any]:
-    lengths: dict[str, list[tuple[int, int]]] = {}
-    shapes = {slot.names[0]: (slot.shape, slot.names) for f in flats for slot in f.layout.slots}
-    for keys in pieces:
+    lengths: dict[str, set[int]] = {}
+    for keys in pieces:  # a replicated parameter's pieces come from every tp rank: once each
         for key in keys:
             _, name, start = key.rsplit("/", 2)
-            lengths.setdefault(name, []).append(int(start))
+            lengths.setdefault(name, set()).add(int(start))
+    dims = {slot.names[0]: spec.dim for f in flats for slot, spec in zip(f.layout.slots, f.specs)
+            if spec is not None and spec.sharded and spec.dim != 0}
     trainable = sorted(slot.names[0] for f in flats if f.trainable for slot in f.layout.slots)
-    return {"format": checkpoint_meta.FORMAT, "shapes": shapes, "starts": lengths,
+    return {"format": checkpoint_meta.FORMAT, "shapes": _whole_shapes(flats),
+            "starts": {name: sorted(found) for name, found in lengths.items()}, "dims": dims,
             "elementwise": sorted(elementwise), "trainable": trainable, "scalars": scalars,
             "scalars_on_device": on_device, "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
@@ -218,7 +231,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     path, parent = _resolve_everywhere(path, comm)
     integrity.verify(path, comm, parent)
     meta = read_meta(path, comm.group)
-    shapes = {slot.names[0]: tuple(slot.shape) for f in flats for slot in f.layout.slots}
+    shapes = {name: shape for name, (shape, _) in _whole_shapes(flats).items()}
     trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
     checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer.param_groups, _IMPLEMENTATION_KEYS)
     saved_keys = checkpoint_meta.read_index(path)
@@ -229,13 +242,21 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         request[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
     if f"rng_cuda/{comm.rank}" in saved_keys and comm.device.type == "cuda":
         request[f"rng_cuda/{comm.rank}"] = torch.empty_like(torch.cuda.get_rng_state(comm.device))
-    wanted = []  # (flat, name, piece start, piece length, [a, b) in the buffer)
+    wanted = []  # (flat, name, piece start, piece length, its start in the buffer, [a, b) to fill)
+    reorder: dict[str, int] = {}  # parameters laid out otherwise than saved (tp changed): name -> dim
     for flat in flats:
         lo, hi = flat.owned_range()
-        for name, start, a, b in _slices(flat, lo, hi):
+        keys = ["param"] + ([f"optim.{k}" for k in meta["elementwise"]] if flat.trainable else [])
+        for name, start, a, b, dim in _slices(flat, lo, hi):
+            if dim != meta.get("dims", {}).get(name, 0):  # read it whole, then reorder it (below)
+                reorder[name] = dim
+                wanted.append((flat, name, "whole", 0, a - start, a, b))
+                for key in keys:
+                    for piece, length in _overlapping(meta, name, 0, checkpoint_meta.numel(meta, name)):
+                        request[f"{key}/{name}/{piece}"] = torch.empty(length)
+                continue
             for piece, length in _overlapping(meta, name, start, b - a):
-                wanted.append((flat, name, piece, length, a - start + piece))
-                keys = ["param"] + ([f"optim.{k}" for k in meta["elementwise"]] if flat.trainable else [])
+                wanted.append((flat, name, piece, length, a - start + piece, a, b))
                 for key in keys:
                     request[f"{key}/{name}/{piece}"] = torch.empty(length)
     try:  # reads into fresh tensors: a failure here leaves the engine untouched
@@ -243,6 +264,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
     integrity.agree(comm, _invalid_rng(request, comm))  # the last check, before the first write
+    _reorder(meta, request, reorder)
     _apply(meta, request, wanted, flats, optimizer)
     with torch.no_grad():
         for name, b in buffers.items():
@@ -275,6 +297,18 @@ def _overlapping(meta: dict[str, Any], name: str, start: int, length: int):
             yield s, e - s
 
 
+def _reorder(meta: dict[str, Any], request: dict[str, Any], reorder: dict[str, int]) -> None:
+    """Each parameter in `reorder` ({name: the dim laid first now}), read whole in its saved order,
+    becomes one piece "whole" in the order this run lays it out."""
+    for name, dim in reorder.items():
+        shape, saved_dim = meta["shapes"][name][0], meta.get("dims", {}).get(name, 0)
+        prefixes = {k.rsplit("/", 2)[0] for k in request if k.rsplit("/", 2)[1:2] == [name]}
+        for prefix in prefixes:
+            pieces = [request.pop(f"{prefix}/{name}/{s}") for s in sorted(meta["starts"][name])]
+            whole = from_canonical(torch.cat(pieces), shape, saved_dim)
+            request[f"{prefix}/{name}/whole"] = canonical(whole, dim)
+
+
 def _apply(meta, request, wanted, flats, optimizer) -> None:
     for flat in flats:
         if flat.trainable:
@@ -288,9 +322,10 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
             if not optimizer.state[flat.opt_param]:
                 del optimizer.state[flat.opt_param]
     with torch.no_grad():
-        for flat, name, piece, length, offset in wanted:
+        for flat, name, piece, length, offset, first, end in wanted:
             lo, hi = flat.owned_range()
-            a, b = max(lo, offset), min(hi, offset + length)  # in the buffer
+            length = length or request[f"param/{name}/{piece}"].numel()
+            a, b = max(lo, offset, first), min(hi, offset + length, end)  # in the buffer
             src = slice(a - offset, b - offset)
             dst = slice(a - lo, b - lo)
             flat.owned_values()[dst].copy_(request[f"param/{name}/{piece}"][src])
@@ -327,8 +362,9 @@ def consolidate(path: str) -> dict[str, torch.Tensor]:
     for name, (shape, aliases) in meta["shapes"].items():
         pieces = [request[f"param/{name}/{s}"] for s in sorted(meta["starts"].get(name, []))]
         flat = torch.cat(pieces) if pieces else torch.zeros(0)  # a zero-element parameter has none
+        whole = from_canonical(flat, shape, meta.get("dims", {}).get(name, 0))
         for alias in aliases:
-            values[alias] = flat.view(shape).clone()
+            values[alias] = whole.clone()
     values.update({n: request[f"buffer/{n}"] for n in meta["buffers"]})
     order = meta["extra"].get("state_dict_keys", list(values))
     return {k: values[k] for k in order if k in values}

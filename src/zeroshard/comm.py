@@ -93,6 +93,11 @@ class Comm:
         self._counting_step = True
         self.watch: Watch | None = None  # an engine's: fingerprints, checks, bounded waits (diverge.py)
         self.label = ""  # what the next collectives are about ("unit 3 (h.2)"), for the fingerprints
+        # Tensor parallelism (parallel/mesh.py): the group of ranks holding the other shards of this
+        # rank's model. Only what must agree across the model crosses it: norms, verdicts, values
+        # of replicated parameters. None without a tp mesh.
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tp_rank, self.tp_size = 0, 1
 
     def _count(self, kind: Kind, nbytes: int) -> None:
         targets = [self.total, self.window] if self._counting_step else [self.total]
@@ -143,6 +148,20 @@ class Comm:
         src = dist.get_global_rank(self.group, src_rank) if self.group else src_rank
         self._issue("broadcast", tensor, 0, False,
                     lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a))
+
+    def broadcast_tp(self, tensor: torch.Tensor) -> None:
+        """tp rank 0's values on every tp rank (a no-op without tensor parallelism)."""
+        if self.tp_group is not None and self.tp_size > 1:
+            dist.broadcast(tensor, group=self.tp_group, group_src=0)
+
+    def all_gather_tp(self, output: torch.Tensor, part: torch.Tensor) -> None:
+        """Every tp rank's `part`, end to end in `output` (ZeRO-R's partitioned activations)."""
+        dist.all_gather_into_tensor(output, part, group=self.tp_group)
+
+    def all_reduce_tp(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """Reduce over the tp ranks (a no-op without tensor parallelism)."""
+        if self.tp_group is not None and self.tp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.tp_group)
 
     # ---- bucketed collectives: constant-size buffers (the paper's CB), any reduction dtype -----
     def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],

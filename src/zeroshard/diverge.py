@@ -84,7 +84,9 @@ class Clock:
 class Watch:
     """One engine's collective history, its checks and its diagnosis."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, every: int, on_cuda: bool) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: float, every: int, on_cuda: bool,
+                 space: str = "") -> None:
+        """space: keeps apart the store keys of groups that share one store (each tp rank's dp group)."""
         global _instances
         _instances += 1
         self.rank, self.world_size, self.timeout, self.every = rank, world_size, timeout, every
@@ -95,7 +97,7 @@ class Watch:
         self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
         self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.prefix = f"zeroshard/{restart}/{_instances}/"
+        self.prefix = f"zeroshard/{restart}/{_instances}/{space}"
         self.store = _default_store()
         self._waiter = _Waiter()
 

@@ -27,6 +27,9 @@ from .devices import check_placement, move_buffers
 from .diverge import Watch
 from .nonfinite import NonFiniteGuard
 from .offload import Copier
+from .parallel.activations import CheckpointStore, checkpoint_units
+from .parallel.dtensor import full_tensor, point
+from .parallel.mesh import Axes, attach_tp
 from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
@@ -58,11 +61,14 @@ class Engine:
     """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
-                 param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
+                 param_groups: list[dict] | None = None, lr_scheduler: Any = None,
+                 axes: Axes | None = None) -> None:
         check_module_type(module)
         check_placement(module, comm.device)  # local and alike on every rank: before any collective
+        attach_tp(comm, module, axes or Axes(comm.group, None))  # likewise: a bad mesh fails everywhere
         comm.watch = Watch(comm.rank, comm.world_size, config.collective_timeout, config.check_collectives,
-                           on_cuda=comm.device.type == "cuda")  # from the first collective on
+                           on_cuda=comm.device.type == "cuda",  # from the first collective on
+                           space=f"tp{comm.tp_rank}/" if comm.tp_size > 1 else "")
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
@@ -96,10 +102,14 @@ class Engine:
         # Parameters move to the group's device unit by unit, as their flat buffers are built.
         self._moved_buffers = move_buffers(module, comm.device)
         self.units = self._build_units(group_of)
+        self.activations: CheckpointStore | None = None  # ZeRO-R (activation_checkpointing)
+        if config.activations is not None:
+            self.activations = checkpoint_units(self.units, config.activations, comm)
         self._state_dict_keys = list(module.state_dict().keys())
         with torch.no_grad(), comm.outside_step():
             for b in dict.fromkeys(module.buffers()):
                 comm.broadcast(b, 0)
+                comm.broadcast_tp(b)  # buffers are replicated over tp as well
         groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
                   for i, opts in enumerate(options)]
         # Empty groups are kept, so engine.optimizer.param_groups[i] is the user's param_groups[i].
@@ -118,6 +128,7 @@ class Engine:
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
         self.state = TrainingState.IDLE
+        self._world_comm: Comm | None = None  # checkpoints under tp: see _checkpoint_comm
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
 
     def _set_state(self, new: TrainingState) -> None:
@@ -142,8 +153,8 @@ class Engine:
         one), original device and dtype. Collective at stage 3, where every rank fails alike."""
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
-                for p, (_, value) in zip(flat.params, flat.gathered_params()):
-                    p.data = value.to(*originals[id(p)], copy=True)
+                for p, spec, (_, value) in zip(flat.params, flat.specs, flat.gathered_params()):
+                    point(p, value.to(*originals[id(p)], copy=True), spec)
         for m, name, buffer in self._moved_buffers:
             m._buffers[name] = buffer
 
@@ -162,12 +173,15 @@ class Engine:
         for u, unit in enumerate(units):  # what fingerprints and error messages call each buffer
             for flat in unit.flats:
                 group = f", group {flat.group}" if len(unit.flats) > 1 else ""
+                group += ", tp-split" if flat.tp_sharded else ""
                 flat.label = f"unit {u} ({unit.name or 'root'}{group})"
         return units
 
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.comm.watch.clock.phase = "forward"
+        if self.activations is not None:
+            self.activations.reset_peak()  # memory_stats() reports the last forward's
         return self.module(*args, **kwargs)
 
     @property
@@ -289,11 +303,21 @@ class Engine:
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                 "world_size": self.comm.world_size, "stage": self.config.stage,
+                 "world_size": self.comm.world_size, "tp": self.comm.tp_size, "stage": self.config.stage,
                  "state_dict_keys": self._state_dict_keys, "client_state": client_state}
         with torch.no_grad(), self.comm.outside_step():
             return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.flats, self.optimizer,
-                                   self.comm, self._buffers, extra)
+                                   self._checkpoint_comm, self._buffers, extra)
+
+    @property
+    def _checkpoint_comm(self) -> Comm:
+        """Checkpoints are written by every rank of the model, tp shards included: over the world
+        when the model is split over tp (dp alone holds only one tp rank's shards)."""
+        if self.comm.tp_size == 1:
+            return self.comm
+        if self._world_comm is None:
+            self._world_comm = Comm(None)
+        return self._world_comm
 
     def load_checkpoint(self, load_dir: str, missing_ok: bool = False) -> Any:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
@@ -308,7 +332,8 @@ class Engine:
         for flat in self.flats:
             flat.await_host_read()  # an offloaded shard is written in place
         with torch.no_grad(), self.comm.outside_step():
-            extra = checkpoint.load(load_dir, self.flats, self.optimizer, self.comm, self._buffers)
+            extra = checkpoint.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
+                                    self._buffers)
             for flat in self.flats:
                 flat.zero_grad()
                 if flat.trainable:
@@ -339,9 +364,10 @@ class Engine:
         self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:
-                for slot, value in flat.gathered_params():
+                for spec, (slot, value) in zip(flat.specs, flat.gathered_params()):
+                    whole = full_tensor(value, spec)  # collective over tp for a split parameter
                     if keep:
-                        values.update(dict.fromkeys(slot.names, value.float().cpu().clone()))
+                        values.update(dict.fromkeys(slot.names, whole.float().cpu().clone()))
             for name, buffer in self._buffers.items():
                 copy = buffer.detach().clone()
                 self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
@@ -350,10 +376,15 @@ class Engine:
         return {k: values[k] for k in self._state_dict_keys if k in values}
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: model states by category, module buffers and temporaries."""
+        """Bytes this rank holds now: model states by category, module buffers and temporaries;
+        with activation_checkpointing, the checkpointed inputs the last forward kept, by place."""
         self._finish_update()  # the optimizer state is the update's until it ends
-        return memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
-                                   self.peak_temporary, self.comm.largest_bucket)
+        stats = memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
+                                    self.peak_temporary, self.comm.largest_bucket)
+        if self.activations is not None:
+            stats["checkpointed_activations"] = self.activations.peak["device"]
+            stats["checkpointed_activations_host"] = self.activations.peak["host"]
+        return stats
 
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
@@ -364,8 +395,10 @@ class Engine:
     def comm_stats(self) -> dict[str, dict[str, Any]]:
         """Per collective kind: calls and bytes (paper convention), for the last step and in total;
         "store": the divergence checks' c10d-store writes and reads (calls, payload bytes), in total,
-        outside the collectives' figures (check_collectives)."""
-        return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic)}
+        outside the collectives' figures (check_collectives); with activation_checkpointing,
+        "activation_all_gather": the all-gathers over tp before each recompute, in total."""
+        extra = {} if self.activations is None else {"activation_all_gather": dict(self.activations.gathers)}
+        return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic), **extra}
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding."""

@@ -8,7 +8,9 @@ Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the 
   aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
   after each step (with offload_optimizer it is on the host, and so are `host`'s transfer buffers);
 - each trainable FlatParam is reduced exactly once per backward (or per step at stages 0-1), in the
-  same order on every rank, so the collectives always match across ranks.
+  same order on every rank, so the collectives always match across ranks;
+- under tensor parallelism the buffer holds local shards (parallel/dtensor.py says in which order),
+  and its parameters are either all split over tp (`tp_sharded`) or all replicated there.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import nn
 
 from .comm import Comm, Pending, complete
 from .offload import Copier, HostCopies
+from .parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
 from .partition import Slot, build_layout
 from .policy import Buckets, StagePolicy
 from .precision import Precision
@@ -73,7 +76,11 @@ class FlatParam:
                  policy: StagePolicy, buckets: Buckets, precision: Precision, trainable: bool,
                  persistent: bool = False, group: int = 0, copier: Copier | None = None) -> None:
         self.params = [p for _, p in named_params]
-        self.layout = build_layout([(names, tuple(p.shape)) for names, p in named_params], comm.world_size)
+        self.specs: list[TpSpec | None] = [spec_of(p) for p in self.params]  # None: not a DTensor
+        self.tp_sharded = any(s is not None and s.sharded for s in self.specs)
+        self._spec_by_id = {id(p): spec for p, spec in zip(self.params, self.specs)}
+        self.layout = build_layout([(names, tuple(laid_out(local_of(p), spec).shape))
+                                    for (names, p), spec in zip(named_params, self.specs)], comm.world_size)
         self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
         self.trainable, self.group = trainable, group  # group: the user's parameter group (-1: frozen)
         self.label = ""  # "unit 3 (h.2)": names its collectives in fingerprints (set by the engine)
@@ -117,10 +124,12 @@ class FlatParam:
         # On the group's device: a model built on the CPU moves here one buffer at a time.
         source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.comm.device)
         with torch.no_grad():
-            for p, slot in zip(self.params, self.layout.slots):
-                source[slot.span].copy_(p.detach().reshape(-1))
+            for p, slot, spec in zip(self.params, self.layout.slots, self.specs):
+                source[slot.span].copy_(laid_out(local_of(p), spec).detach().reshape(-1))
             with self.comm.outside_step():
                 self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
+                if not self.tp_sharded:
+                    self.comm.broadcast_tp(source)  # and a replicated parameter from tp rank 0's
         return source
 
     def _init_trainable(self, owned_source: torch.Tensor) -> None:
@@ -146,8 +155,12 @@ class FlatParam:
 
     # ---- parameters -------------------------------------------------------------------------
     def _point_params_at_full(self) -> None:
-        for p, slot in zip(self.params, self.layout.slots):
-            p.data = self.full[slot.span].view(slot.shape)
+        for p, slot, spec in zip(self.params, self.layout.slots, self.specs):
+            point(p, local_view(self.full[slot.span], slot.shape, spec), spec)
+
+    def _point_params_at_placeholder(self) -> None:
+        for p, spec in zip(self.params, self.specs):
+            point(p, self._placeholder, spec)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
@@ -207,8 +220,7 @@ class FlatParam:
         if self.persistent or self.state is ParamState.SHARDED:
             return
         complete(self._gathering)  # an all-gather in flight must land before its storage goes
-        for p in self.params:
-            p.data = self._placeholder
+        self._point_params_at_placeholder()
         self.full.untyped_storage().resize_(0)
         self._set_state(ParamState.SHARDED)
 
@@ -223,9 +235,11 @@ class FlatParam:
             return self.comm.gather_shards(full, shard, chunks, async_op)
 
     def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
-        """(slot, value) of every parameter, viewing one new gathered copy (collective at stage >= 1)."""
+        """(slot, value) of every parameter (its local shard under tp), viewing one new gathered copy
+        (collective at stage >= 1)."""
         full = self.gathered_copy()
-        return [(slot, full[slot.span].view(slot.shape)) for slot in self.layout.slots]
+        return [(slot, local_view(full[slot.span], slot.shape, spec))
+                for slot, spec in zip(self.layout.slots, self.specs)]
 
     def owned_range(self) -> tuple[int, int]:
         """Elements of the padded buffer this rank keeps a lasting copy of: all of them where the
@@ -259,7 +273,8 @@ class FlatParam:
     def accumulate(self, param: nn.Parameter) -> bool:
         """Move `param.grad` into the flat gradient buffer; True once every parameter has reported."""
         slot = self.slot_of[id(param)]
-        if param.grad.is_sparse:
+        grad = param.grad
+        if grad.is_sparse:
             raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
                              f"zeroshard reduces dense flat buffers: use sparse=False")
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
@@ -270,7 +285,12 @@ class FlatParam:
             if self._late is None:  # stages 0-1: a backward after this step's reduction
                 self._late = torch.zeros_like(self.full)
             target = self._late
-        target[slot.span].add_(param.grad.reshape(-1))
+        spec = self._spec_by_id[id(param)]
+        if spec is not None:  # a DTensor's gradient: its local shard, in the placement of the parameter
+            if tuple(grad.placements) != spec.placements:
+                grad = grad.redistribute(placements=spec.placements)
+            grad = laid_out(grad.to_local(), spec)
+        target[slot.span].add_(grad.reshape(-1))
         param.grad = None
         self._pending.discard(id(param))
         return not self._pending
@@ -357,8 +377,7 @@ class FlatParam:
                 self._all_gather(self.full, self.shard)  # staged: one constant-size bucket at a time
                 return
             self._gathering = self._all_gather(self.full, self.shard, async_op=True)
-        for p in self.params:  # stray reads fail loudly rather than see half-written values
-            p.data = self._placeholder
+        self._point_params_at_placeholder()  # stray reads fail loudly rather than see half-written values
         self._set_state(ParamState.GATHERING)
 
     def finish_write_back(self) -> None:

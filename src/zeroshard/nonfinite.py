@@ -57,6 +57,7 @@ class NonFiniteGuard:
             if self._bad_loss is not None:
                 local += self._bad_loss.to(self.comm.device)
             self.comm.all_reduce(local)
+        self.comm.all_reduce_tp(local)  # a tp shard's verdict is its model's
         return local.item() > 0
 
     def handle(self, trainable: list[FlatParam], step: int) -> None:

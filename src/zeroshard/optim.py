@@ -123,8 +123,9 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     neither clipping nor fp16 needed it).
 
     The norm is one scalar all-reduce over the ranks' shards (stage 0 ranks hold identical reduced
-    gradients, so there it is local); an overflow anywhere makes it non-finite on every rank, so all
-    ranks skip together. Clipping matches torch.nn.utils.clip_grad_norm_ on the full model.
+    gradients, so there it is local), and one over tp when the model is split; an overflow
+    anywhere makes it non-finite on every rank, so all ranks skip together. Clipping matches
+    torch.nn.utils.clip_grad_norm_ on the full model.
 
     With `delayed` (ZeRO-Offload's delayed parameter update), the parameters first take the update
     of the previous step, then this step's update starts on a worker thread and overlaps the next
@@ -138,12 +139,14 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     norm, nonfinite = None, False
     if max_norm > 0 or scaler.enabled:
         squares = torch.zeros((), dtype=torch.float32, device=comm.device)
-        for f in trainable:
-            squares += f.local_grad().float().pow(2).sum().to(comm.device)
+        for f in trainable:  # under tp, a replicated buffer counts once: on tp rank 0
+            if f.tp_sharded or comm.tp_rank == 0:
+                squares += f.local_grad().float().pow(2).sum().to(comm.device)
         if guard is not None:
             squares = guard.fold_into_norm(squares, norm_is_sharded)
         if norm_is_sharded:
             comm.all_reduce(squares)
+        comm.all_reduce_tp(squares)  # each tp shard's part of the norm
         norm = squares.sqrt().item() / scaler.scale
         nonfinite = not math.isfinite(norm)
     elif guard is not None:

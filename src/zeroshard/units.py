@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
 
 from .config import ConfigError
@@ -83,7 +84,8 @@ def assign_params(model: nn.Module, units: list[str]) -> dict[str, NamedParams]:
 def build_units(module: nn.Module, unit_modules: list[str] | None, group_of: dict[int, int],
                 new_flat: Callable[[NamedParams, int], FlatParam]) -> list["Unit"]:
     """The units, each with one flat buffer per parameter group of its parameters (frozen ones in a
-    group of their own, -1), made by new_flat(members, group). A model built under zeroshard.init()
+    group of their own, -1; parameters split over tp apart from the others), made by
+    new_flat(members, group). A model built under zeroshard.init()
     is materialized here one unit at a time, so at stage 3 a rank never holds more than its shards
     and one unit in full. `group_of` follows parameters that materializing replaced."""
     units = []
@@ -91,13 +93,20 @@ def build_units(module: nn.Module, unit_modules: list[str] | None, group_of: dic
         replaced = materialize_((p for _, p in named_params), module)
         named_params = [(n, replaced.get(id(p), p)) for n, p in named_params]
         group_of.update({id(replaced[old]): group_of[old] for old in replaced if old in group_of})
-        by_group: dict[int, NamedParams] = {}
-        for names_and_param in named_params:
-            by_group.setdefault(group_of.get(id(names_and_param[1]), -1), []).append(names_and_param)
-        flats = [new_flat(members, group) for group, members in sorted(by_group.items())]
+        by_group: dict[tuple[int, bool], NamedParams] = {}  # (group, split over tp) -> its parameters
+        for names, p in named_params:
+            key = (group_of.get(id(p), -1), _split_over_tp(p))
+            by_group.setdefault(key, []).append((names, p))
+        flats = [new_flat(members, group) for (group, _), members in sorted(by_group.items())]
         if flats:
             units.append(Unit(name, module.get_submodule(name), flats))
     return units
+
+
+def _split_over_tp(p: torch.Tensor) -> bool:
+    """A DTensor sharded over tp gets buffers of its own: the norm counts them on every tp rank,
+    replicated ones on one."""
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

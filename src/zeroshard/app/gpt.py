@@ -26,19 +26,22 @@ class GPTConfig:
 
 
 class SelfAttention(nn.Module):
+    """Causal self-attention with separate q, k, v projections, so that a column split over tp
+    gives each rank whole heads (the head count is read from the local width)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.width % cfg.heads:
             raise ValueError(f"width {cfg.width} must be divisible by heads {cfg.heads}")
-        self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.head_dim = cfg.width // cfg.heads
+        self.q, self.k, self.v = (nn.Linear(cfg.width, cfg.width) for _ in range(3))
         self.proj = nn.Linear(cfg.width, cfg.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -55,6 +58,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # Megatron's split for zeroshard.tensor_parallel: column-parallel q, k, v and MLP up projection,
+    # row-parallel output projections; embeddings, norms and the tied head stay replicated.
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+               "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -11,11 +11,12 @@ from typing import Any, Callable
 
 import torch
 
-from .sections import DTYPES, OPTIMIZERS, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
+from .sections import (DTYPES, OPTIMIZERS, ActivationConfig, ConfigError, OptimizerConfig, ScalerConfig,
+                       Settings, ZeroConfig)
 
 # DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
 NOT_IMPLEMENTED_TOP = {
-    "scheduler", "amp", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+    "scheduler", "amp", "flops_profiler", "tensorboard", "wandb",
     "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
     "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "prescale_gradients",
@@ -310,6 +311,29 @@ def _unit_modules(v: Any) -> list[str] | None:
                       f"of module class names, got {v!r}")
 
 
+_ACTIVATION_FLAGS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+_ACTIVATION_ACCEPTED = (*_ACTIVATION_FLAGS, "number_checkpoints", "synchronize_checkpoint_boundary",
+                        "profile")
+
+
+def _activations(cfg: Settings, value: Any) -> None:
+    """The section turns on per-unit checkpointing (DeepSpeed's model calls its checkpoint function
+    itself; here every unit is checkpointed). synchronize_checkpoint_boundary and profile are
+    accepted: they only time and synchronize in DeepSpeed."""
+    act = ActivationConfig()
+    for key, v in _as_dict("activation_checkpointing", value).items():
+        name = f"activation_checkpointing.{key}"
+        if key in _ACTIVATION_FLAGS:
+            setattr(act, key, _as_bool(name, v))
+        elif key == "number_checkpoints":
+            act.number_checkpoints = None if v is None else _as_int(name, v, 1)
+        elif key in ("synchronize_checkpoint_boundary", "profile"):
+            _as_bool(name, v)
+        else:
+            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ACTIVATION_ACCEPTED)}")
+    cfg.activations = act
+
+
 TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "zero_optimization": _zero,
     "optimizer": _optimizer,
@@ -323,4 +347,5 @@ TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "bf16": _bf16,
     "communication_data_type": _communication_dtype,
     "zeroshard": _zeroshard,
+    "activation_checkpointing": _activations,
 }

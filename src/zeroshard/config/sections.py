@@ -68,6 +68,18 @@ class ScalerConfig:
 
 
 @dataclass
+class ActivationConfig:
+    """`activation_checkpointing` (ZeRO-R): each unit (block) keeps only its input and recomputes in
+    backward; the input is split over the tp ranks (P_a), kept on the host (P_a+cpu), and written
+    into one buffer allocated once (MD)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None      # checkpoints per forward, to size the MD buffer up front
+
+
+@dataclass
 class Settings:
     """Every setting, typed, with the defaults; keys.py fills them, Config loads and validates them."""
 
@@ -87,6 +99,7 @@ class Settings:
     check_collectives: int = 0                 # compare ranks' collective histories every K steps (0: off)
     collective_timeout: float = 600.0          # seconds a collective may wait before the stall is diagnosed
     on_nonfinite: str = "raise"                # bf16/fp32: a NaN/inf gradient "raise"s or "skip"s the step
+    activations: ActivationConfig | None = None  # None: no ZeRO-R activation checkpointing
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property

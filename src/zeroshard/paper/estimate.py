@@ -85,7 +85,7 @@ def gpt2_params(layers: int, width: int, vocab_size: int, positions: int, ffn: i
                 tied: bool = True) -> int:
     """Parameters of a GPT-2-style decoder; zeroshard.app.gpt.GPT has exactly this shape (ffn = 4d)."""
     d, f = width, ffn or 4 * width
-    attention = 3 * d * d + 3 * d + d * d + d  # fused qkv and output projection, with biases
+    attention = 3 * d * d + 3 * d + d * d + d  # q, k, v and output projections, with biases
     mlp = d * f + f + f * d + d
     block = attention + mlp + 2 * 2 * d  # two LayerNorms, weight and bias
     embeddings = (vocab_size + positions) * d + (0 if tied else vocab_size * d)

@@ -1,0 +1,5 @@
+"""Composition with torch tensor parallelism (2-D meshes) and ZeRO-R activation checkpoints."""
+from .mesh import Axes, split
+from .plan import tensor_parallel
+
+__all__ = ["Axes", "split", "tensor_parallel"]

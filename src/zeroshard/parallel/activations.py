@@ -1,0 +1,194 @@
+"""ZeRO-R activation checkpoints: per-unit recomputation whose saved inputs are partitioned over the
+tensor-parallel ranks (P_a), optionally kept on the host (P_a+cpu), in one buffer (MD).
+
+A checkpointed unit runs forward without saving anything but its inputs, and runs again inside
+backward to rebuild what its gradient needs. Under tensor parallelism a block's input is replicated
+on every tp rank, so keeping it whole keeps TP copies of it: with partition_activations each rank
+keeps 1/TP (flattened, padded to TP equal chunks) and the copies are all-gathered over tp right
+before the recompute: the paper's one extra all-gather per block. With cpu_checkpointing the
+chunk lives in host memory (pinned on CUDA) and is copied back one block ahead of the recompute.
+With contiguous_memory_optimization the chunks of one forward are written end to end into one
+buffer allocated once (and grown only if a forward needs more), instead of one allocation each
+interleaved with short-lived tensors (fragmentation).
+
+The checkpoint is reentrant (an autograd.Function whose backward runs a nested forward and
+backward), like torch.utils.checkpoint(use_reentrant=True); RNG state is restored for the
+recompute, so dropout draws the same mask. Kept chunks are saved with save_for_backward, so
+torch.autograd.graph.saved_tensors_hooks sees exactly what is kept.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..comm import Comm
+from ..config.sections import ActivationConfig
+
+
+class CheckpointStore:
+    """Keeps checkpointed inputs (partitioned, on the host, in one buffer) and gives them back whole.
+
+    Invariants: every tp rank keeps the same number of chunks of the same sizes in the same order,
+    so the all-gathers pair up; a chunk is alive exactly while autograd holds it (saved for a
+    backward that has not run), which is what held() counts and what the MD buffer reuses after."""
+
+    def __init__(self, cfg: ActivationConfig, comm: Comm) -> None:
+        self.cfg, self.comm, self.device = cfg, comm, comm.device
+        self.parts = comm.tp_size if cfg.partition_activations else 1
+        self.index = comm.tp_rank if self.parts > 1 else 0  # which of the `parts` chunks this rank keeps
+        self.where = "host" if cfg.cpu_checkpointing else "device"
+        self.peak = {"device": 0, "host": 0}
+        self.gathers = {"calls": 0, "bytes": 0}  # the all-gathers before recomputes (paper convention)
+        self._chunks: list[tuple[weakref.ref, int]] = []  # (kept chunk, bytes), oldest first
+        self._ahead: dict[int, torch.Tensor] = {}  # P_a+cpu on CUDA: chunks already on their way back
+        self._buffer: torch.Tensor | None = None  # MD: one allocation for a forward's chunks
+        self._used = 0
+
+    def held(self) -> dict[str, int]:
+        """Bytes of kept chunks alive now, by place."""
+        self._chunks = [(ref, n) for ref, n in self._chunks if ref() is not None]
+        total = sum(n for _, n in self._chunks)
+        return {"device": 0, "host": 0, self.where: total}
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of `x` (all of it without partitioning), where it is to be kept."""
+        flat = x.detach().reshape(-1)
+        chunk = math.ceil(flat.numel() / self.parts)
+        lo, hi = min(self.index * chunk, flat.numel()), min((self.index + 1) * chunk, flat.numel())
+        out = self._allocate(chunk, x.dtype)
+        out[:hi - lo].copy_(flat[lo:hi], non_blocking=out.is_pinned())
+        out[hi - lo:].zero_()
+        self._chunks.append((weakref.ref(out), out.numel() * out.element_size()))
+        now = self.held()[self.where]
+        self.peak[self.where] = max(self.peak[self.where], now)
+        return out
+
+    def restore(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The whole input again, on the compute device (collective over tp when partitioned)."""
+        local = self._ahead.pop(id(part), None)
+        if local is None:
+            local = part.to(self.device, non_blocking=True)
+        self._send_next_back(part)
+        if self.parts == 1:
+            return local[:math.prod(shape)].view(shape).clone()
+        whole = torch.empty(local.numel() * self.parts, dtype=local.dtype, device=self.device)
+        self.comm.all_gather_tp(whole, local)
+        self.gathers["calls"] += 1
+        self.gathers["bytes"] += whole.numel() * whole.element_size()
+        return whole[:math.prod(shape)].view(shape)
+
+    def _send_next_back(self, part: torch.Tensor) -> None:
+        """P_a+cpu on CUDA: start copying the chunk kept just before `part` (the next recompute's,
+        backward running in reverse) to the device, so it arrives while this block recomputes."""
+        if not (part.is_pinned() and self.device.type == "cuda"):
+            return
+        alive = [ref() for ref, _ in self._chunks]
+        at = next((i for i, c in enumerate(alive) if c is part), 0)
+        before = alive[at - 1] if at > 0 else None
+        if before is not None and id(before) not in self._ahead:
+            self._ahead[id(before)] = before.to(self.device, non_blocking=True)
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        pin = self.where == "host" and torch.cuda.is_available()
+        place = torch.device("cpu") if self.where == "host" else self.device
+        if not self.cfg.contiguous_memory_optimization:
+            return torch.empty(numel, dtype=dtype, device=place, pin_memory=pin)
+        live = self.held()[self.where] > 0
+        if not live:
+            self._used = 0  # every chunk of the last forward is gone: write over them
+        end = self._used + numel
+        if self._buffer is None or self._buffer.dtype != dtype or end > self._buffer.numel():
+            # Sized for number_checkpoints chunks at first, doubled when a forward needs more; live
+            # chunks keep the old buffer until their backward, only new ones go to the new one.
+            size = numel * (self.cfg.number_checkpoints or 1) if self._buffer is None else \
+                2 * self._buffer.numel()
+            self._buffer = torch.empty(max(size, numel), dtype=dtype, device=place, pin_memory=pin)
+            self._used, end = 0, numel
+        # Aliasing by set_, not a view: a view would share the buffer's version counter, and writing
+        # the next chunk would look to autograd like a change to this one.
+        out = torch.empty(0, dtype=dtype, device=place).set_(self._buffer.untyped_storage(), self._used,
+                                                            (numel,))
+        self._used = end
+        return out
+
+    def reset_peak(self) -> None:
+        self.peak = {"device": 0, "host": 0, **{self.where: self.held()[self.where]}}
+
+
+class _Checkpoint(torch.autograd.Function):
+    """forward(run, store, box, *tensors): run without saving; backward: restore, rerun, backprop."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable, store: CheckpointStore, box: dict, *tensors: torch.Tensor) -> Any:
+        ctx.run, ctx.store = run, store
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(store.device) if store.device.type == "cuda" else None
+        with torch.no_grad():
+            outputs = run(*tensors)
+        # Inputs that carry gradient are the activations flowing through the blocks: those are
+        # partitioned; others (masks, rotary tables) are shared by every block and kept as they are.
+        ctx.split = [t.requires_grad and t.is_floating_point() for t in tensors]
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.save_for_backward(*(store.keep(t) if s else t for t, s in zip(tensors, ctx.split)))
+        leaves, box["spec"] = tree_flatten(outputs)
+        box["leaves"] = leaves
+        out = tuple(t for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        saved = ctx.saved_tensors
+        inputs = [ctx.store.restore(t, shape) if s else t
+                  for t, s, shape in zip(saved, ctx.split, ctx.shapes)]
+        inputs = [t.detach().requires_grad_(s or t.requires_grad) if t.is_floating_point() else t
+                  for t, s in zip(inputs, ctx.split)]
+        devices = [ctx.store.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=ctx.store.device.type), torch.enable_grad():
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.store.device)
+            outputs = [t for t in tree_flatten(ctx.run(*inputs))[0] if isinstance(t, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None) + tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                                          for t in inputs)
+
+
+def checkpoint_module(module: nn.Module, store: CheckpointStore) -> None:
+    """Make `module`'s forward a ZeRO-R checkpoint (whenever gradients are on)."""
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+        def run(*tensors: torch.Tensor) -> Any:
+            filled = list(leaves)
+            for i, t in zip(where, tensors):
+                filled[i] = t
+            a, k = tree_unflatten(filled, spec)
+            return original(*a, **k)
+        box: dict = {}
+        out = iter(_Checkpoint.apply(run, store, box, *(leaves[i] for i in where)))
+        filled = [next(out) if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
+        return tree_unflatten(filled, box["spec"])
+    module.forward = forward
+
+
+def checkpoint_units(units: list, cfg: ActivationConfig, comm: Comm) -> CheckpointStore:
+    """Checkpoint every unit but the root (the blocks), all keeping their inputs in one store."""
+    store = CheckpointStore(cfg, comm)
+    for unit in units:
+        if not unit.is_root:
+            checkpoint_module(unit.module, store)
+    return store

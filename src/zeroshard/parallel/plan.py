@@ -1,0 +1,60 @@
+"""zeroshard.tensor_parallel: a model's own tensor-parallel plan, applied through torch's API.
+
+Hugging Face models ship their plan (`config.base_model_tp_plan`: "layers.*.self_attn.q_proj":
+"colwise", "...o_proj": "rowwise"), relative to the base model; zeroshard's GPT carries `tp_plan`.
+Both are Megatron's pattern: a column-parallel layer's output stays split (each rank holds whole
+heads), the row-parallel layer after it sums the partial outputs over tp, so a block's input and
+output are replicated. Only those two styles are taken: the others HF names (colwise_rep,
+local_rowwise, sequence_parallel, ...) change what a block's input looks like, and the ZeRO-R
+partitioning of block inputs assumes they are replicated.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ..config import ConfigError
+from .mesh import check_heads
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def model_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]]:
+    """(the module the plan is relative to, the plan) that the model itself carries."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if isinstance(plan, dict) and plan:  # HF: the base model's plan (its model.tp_plan adds lm_head)
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, model) if prefix else model
+        return base, plan
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, dict) and own:
+        return model, own
+    raise ConfigError(f"{type(model).__name__} carries no tensor-parallel plan (no "
+                      f"config.base_model_tp_plan, "
+                      f"no tp_plan attribute): pass one, e.g. tensor_parallel(model, mesh['tp'], "
+                      f"plan={{'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise'}})")
+
+
+def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] | None = None) -> nn.Module:
+    """Split `model` over `tp_mesh` by its own plan (or `plan`, {module pattern: "colwise" |
+    "rowwise"}, patterns relative to `model`, "*" matching one name). Returns the model, changed
+    in place: its split parameters become DTensors. Then zeroshard.initialize(model, ..., mesh=mesh)."""
+    if tp_mesh.ndim != 1:
+        raise ConfigError(f"tensor_parallel takes the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} "
+                          f"dimensions")
+    root, plan = (model, plan) if plan is not None else model_plan(model)
+    styles = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not supported; "
+                              f"zeroshard takes {sorted(STYLES)} (block inputs must stay replicated)")
+        styles[pattern] = STYLES[style]()
+    check_heads(model, tp_mesh.size())
+    before = {id(p) for p in root.parameters()}
+    parallelize_module(root, tp_mesh, styles)
+    if {id(p) for p in root.parameters()} == before:
+        raise ConfigError(f"the tensor-parallel plan {sorted(plan)} matched no module of "
+                          f"{type(root).__name__}: check the patterns against model.named_modules()")
+    return model

@@ -1,0 +1,70 @@
+"""ZeRO-R activation checkpoints (P_a, P_a+cpu, MD) on dp 2 × tp 2: parity with one process in every
+combination, and the saved block inputs measured from outside the library."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import zeroshard
+from helpers.models import SEQ, assert_matches_reference, reference_run
+from helpers.spawn import spawn
+from test_tensor_parallel import GLOBAL_BATCH, STEPS, TINY_PLAN, mesh_2x2, sgd, tiny, train
+
+WIDTH, BLOCKS = 16, 2  # TinyGPT(): two checkpointed blocks of width 16
+
+
+def _saved_bytes(engine, x) -> int:
+    """Bytes autograd saves for one forward (every tensor its pack hook sees, each storage once)."""
+    seen: dict[tuple, int] = {}
+
+    def pack(saved: torch.Tensor):
+        t = saved._local_tensor if isinstance(saved, DTensor) else saved
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        seen[key] = t.numel() * t.element_size()
+        return saved
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(x).float().sum()
+    engine.backward(loss * 0)  # completes the cycle (nothing changes: the gradients are zero)
+    engine.module.zero_grad(set_to_none=True)
+    engine.step()
+    return sum(seen.values())
+
+
+def _combinations(rank: int, world_size: int) -> None:
+    mesh = mesh_2x2()
+    dp_rank = mesh["dp"].get_local_rank()
+    ref_model, ref_losses = reference_run(tiny, sgd, STEPS, GLOBAL_BATCH, clip=0.5)
+    local = GLOBAL_BATCH // 2
+    input_bytes = local * SEQ * WIDTH * 4  # one block input, fp32
+    saved = {}
+    for stage, (part, cpu, md) in [(3, c) for c in itertools.product([False, True], repeat=3)] + \
+            [(1, (True, True, True))]:
+        section = {"partition_activations": part, "cpu_checkpointing": cpu,
+                   "contiguous_memory_optimization": md, "number_checkpoints": BLOCKS}
+        model = zeroshard.tensor_parallel(tiny(), mesh["tp"], TINY_PLAN)
+        config = {"zero_optimization": {"stage": stage}, "gradient_clipping": 0.5,
+                  "activation_checkpointing": section}
+        engine = zeroshard.initialize(model, sgd, config, mesh=mesh)
+        what = f"stage {stage} P_a={part} cpu={cpu} MD={md}"
+        losses = train(engine, dp_rank, 2, range(STEPS))
+        assert_matches_reference(engine, losses, ref_model, ref_losses, what)
+        kept = BLOCKS * input_bytes // (2 if part else 1)
+        stats = engine.memory_stats()
+        assert stats["checkpointed_activations_host" if cpu else "checkpointed_activations"] == kept, what
+        assert stats["checkpointed_activations" if cpu else "checkpointed_activations_host"] == 0, what
+        gathers = engine.comm_stats()["activation_all_gather"]
+        assert gathers["calls"] == (STEPS * BLOCKS if part else 0), what
+        x = torch.randint(0, 37, (local, SEQ))
+        saved[(stage, part, cpu, md)] = _saved_bytes(engine, x)
+    # Measured from autograd's side: P_a keeps 1/TP of each block input, the rest is unchanged.
+    for cpu, md in itertools.product([False, True], repeat=2):
+        whole, split = saved[(3, False, cpu, md)], saved[(3, True, cpu, md)]
+        assert whole - split == BLOCKS * input_bytes // 2, (cpu, md, whole, split)
+    dist.barrier()
+
+
+def test_partitioned_offloaded_contiguous_checkpoints_match_single_process():
+    spawn(_combinations, 4)
