@@ -156,7 +156,7 @@ class Comm:
 
     def all_gather_tp(self, output: torch.Tensor, part: torch.Tensor) -> None:
         """Every tp rank's `part`, end to end in `output` (ZeRO-R's partitioned activations)."""
-        dist.all_gather_into_tensor(output, part, group=self.tp_group)
+        _all_gather_flat(output, part, group=self.tp_group)
 
     def all_reduce_tp(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """Reduce over the tp ranks (a no-op without tensor parallelism)."""

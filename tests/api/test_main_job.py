@@ -81,6 +81,17 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     assert "model: LlamaForCausalLM" in out and "ZeRO stage 3, 2 ranks" in out
 
 
+def test_tensor_parallel_main_job_with_zero_r(tmp_path):
+    """ZeRO-DP x TP on local ranks: dp 2 x tp 2, stage 3, block inputs split over tp and kept on the host."""
+    out = zeroshard("train", "--steps", "4", "--nproc", "4", "--tp", "2", "--size", "tiny",
+                    "--partition-activations", "--cpu-checkpointing", "--out", str(tmp_path)).stdout
+    assert "(this rank's tp part; tp 2 x dp 2); ZeRO stage 3, 4 ranks" in out and "sample:" in out
+    rows = [row.split() for row in out.splitlines() if row.strip()[:1].isdigit() and len(row.split()) == 6]
+    assert len(rows) == 4 and all(abs(float(row[4]) - float(row[5])) < 0.02 for row in rows)
+    weights = zeroshard("consolidate", str(tmp_path / "checkpoints"), str(tmp_path / "w.pt"))
+    assert weights.stdout.startswith("wrote")
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "--data", "/no/such/file"], "neither a file nor a directory"),
     (["train", "--config", "/no/such.json"], "does not exist"),
@@ -92,6 +103,8 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["train", "--nproc", "-1"], "--nproc must be >= 1"),
     (["train", "--stage", "2", "--offload-param"], "offload_param needs zero_optimization.stage 3"),
     (["train", "--offload-optimizer", "nvme"], "invalid choice"),
+    (["train", "--nproc", "4", "--tp", "3"], "--tp 3 must be >= 1 and divide --nproc 4"),
+    (["train", "--nproc", "4", "--tp", "4", "--size", "tiny"], "tp = 4 does not divide the model's heads"),
     (["bogus"], "invalid choice"),
     (["consolidate", "/no/such/dir", "out.safetensors"], "does not exist"),
     (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),

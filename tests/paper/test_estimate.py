@@ -220,3 +220,23 @@ def test_cli_help_documents_every_option():
 def test_cli_bad_input(args, message):
     done = zeroshard(*args)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_zero_r_checkpoints_match_the_papers_100b_example():
+    """paper-figures.md, ZeRO-R: a 100B model at MP 16 keeps ~33 GB of activation checkpoints per GPU,
+    ~2 GB with P_a and ~0 on the device with P_a+cpu (125 layers, hidden 8192, 16 x 1024 tokens)."""
+    from zeroshard.paper.zero_r import CONFIGURATIONS, checkpoint_bytes
+    whole = checkpoint_bytes(125, 8192, 16, 1024, "bf16", 16, partition=False, cpu=False)
+    split = checkpoint_bytes(125, 8192, 16, 1024, "bf16", 16, partition=True, cpu=False)
+    host = checkpoint_bytes(125, 8192, 16, 1024, "bf16", 16, partition=True, cpu=True)
+    assert round(whole[0] / GB) == 34 and whole[1] == 0  # "~33 GB" (33.55)
+    assert round(split[0] / GB) == 2 and split[0] * 16 == whole[0]
+    assert host == (0.0, split[0])
+    assert [(c.name, c.stage, c.partition, c.cpu) for c in CONFIGURATIONS] == [
+        ("C1", 1, False, False), ("C2", 1, True, False), ("C3", 2, False, False), ("C4", 2, True, False),
+        ("C5", 2, True, True)]
+    command = [sys.executable, "-m", "zeroshard", "estimate", "--layers", "125", "--width", "8192",
+               "--nproc", "400", "--mp", "16", "--configs"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
+    assert rows["C1"][3] == "33.55" and rows["C2"][3] == "2.10" and rows["C5"][3:5] == ["0.00", "2.10"]

@@ -43,6 +43,18 @@ def _add_offload_options(p: argparse.ArgumentParser) -> None:
                    help="stage 3: parameter shards rest in host memory between uses")
 
 
+def _add_tensor_parallel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: the model is split by its own "
+                   "plan (Megatron's column/row split), ZeRO shards over the nproc / tp data-parallel "
+                   "ranks (default 1)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="ZeRO-R: keep only each block's input and recompute the block in backward")
+    p.add_argument("--partition-activations", action="store_true",
+                   help="P_a: split each kept block input over the tp ranks (implies checkpointing)")
+    p.add_argument("--cpu-checkpointing", action="store_true",
+                   help="P_a+cpu: keep the block inputs in host memory (implies checkpointing)")
+
+
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a small GPT with ZeRO on local ranks",
                        description="Train a byte-level GPT on the Python standard library's source "
@@ -58,6 +70,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                    help="also checkpoint every S steps, so a restart loses at most S steps "
                         "(default 0: only at the end)")
     _add_training_options(p, steps=300)
+    _add_tensor_parallel_options(p)
     _add_offload_options(p)
 
 
@@ -91,6 +104,11 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="fp32 Adam (4+4+8 bytes/param) or mixed-precision Adam (2+2+12) (default bf16)")
     _add_offload_options(p)
+    p.add_argument("--configs", action="store_true",
+                   help="ZeRO-R: the paper's C1-C5 (stage x P_a x P_a+cpu) with activation checkpoints, "
+                        "for a model given by --model or --layers/--width, and exit")
+    p.add_argument("--batch", type=int, default=16, help="--configs: sequences per GPU (default 16)")
+    p.add_argument("--seq-len", type=int, default=1024, help="--configs: tokens per sequence (default 1024)")
     p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
     p.add_argument("--table2", action="store_true",
                    help="print Table 2's theoretical columns recomputed and exit")
@@ -132,6 +150,15 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.nproc % args.mp:
         parser.error(f"--nproc ({args.nproc}) must be a multiple of --mp ({args.mp})")
     psi = _estimate_psi(parser, args)
+    if args.configs:
+        if args.model is None and (args.layers is None or args.width is None):
+            parser.error("--configs needs the model's layers and width: --model NAME or --layers L --width W")
+        _check_positive(parser, args, ["batch", "seq_len"])
+        from zeroshard.paper.zero_r import configurations_text
+        layers, width, _ = SIZES[args.model or "small"]
+        print(configurations_text(psi, args.layers or layers, args.width or width, args.nproc, args.mp,
+                                  args.batch, args.seq_len, args.precision))
+        return
     print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer == "cpu", args.mp,
                  args.offload_param == "cpu"))
 
@@ -194,6 +221,8 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for name in ("max_restarts", "save_every"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if getattr(args, "tp", 1) < 1 or args.nproc % getattr(args, "tp", 1):
+        parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
     options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
     train_args = TrainArgs(**options)
     try:  # fail here, in one process, rather than in every rank
@@ -204,8 +233,9 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                 raise ValueError(f"{flag} {value} must be a multiple of gradient_accumulation_steps "
                                  f"({accumulation}): each step is one micro-batch, and the run ends "
                                  f"with a checkpoint")
-        if args.hf_config:
-            build_model(train_args)
+        if args.hf_config or train_args.tp > 1:
+            from zeroshard.parallel import check_heads
+            check_heads(build_model(train_args), train_args.tp)
     except (OSError, ValueError, RuntimeError) as e:
         parser.error(str(e))
     if args.command == "train":

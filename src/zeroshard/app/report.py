@@ -9,10 +9,12 @@ from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
 MIB = 2**20
 
 
-def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision: str) -> list[str]:
-    """Model-state bytes per rank by category, beside the paper's formula for this stage and N."""
+def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision: str,
+                 dp: int | None = None) -> list[str]:
+    """Model-state bytes per rank by category, beside the paper's formula for this stage and N (the
+    data-parallel degree dp: every rank by default; under tp, Ψ is a rank's tp part)."""
     p, g, k = BYTES_PER_PARAM[precision]
-    formula = paper_model_state_bytes(psi, len(per_rank), stage, p, g, k)
+    formula = paper_model_state_bytes(psi, dp or len(per_rank), stage, p, g, k)
     header = ("rank", "params", "grads", "optimizer", "states", "paper")
     lines = [f"{header[0]:>6} " + " ".join(f"{h:>10}" for h in header[1:]) + "  (MiB)"]
     for rank, s in enumerate(per_rank):

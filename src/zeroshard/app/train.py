@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
 from zeroshard.paper import BYTES_PER_PARAM
@@ -56,6 +57,10 @@ class TrainArgs:
     sample_tokens: int = 160
     seed: int = 0
     compile: bool = False        # torch.compile each block (FSDP2's per-block pattern)
+    tp: int = 1                  # tensor-parallel ranks (the model's own plan); ZeRO over nproc / tp
+    activation_checkpointing: bool = False  # ZeRO-R: recompute each block in backward
+    partition_activations: bool = False     # P_a: split the kept block inputs over tp
+    cpu_checkpointing: bool = False         # P_a+cpu: keep them in host memory
     quiet: bool = False          # compare: no progress bar, no report
 
     def engine_config(self) -> dict[str, Any]:
@@ -66,6 +71,10 @@ class TrainArgs:
                 raw["zero_optimization"][key] = {"device": getattr(self, key), "pin_memory": True}
         for name in ("bf16", "fp16"):
             raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
+        flags = ("partition_activations", "cpu_checkpointing")
+        if self.activation_checkpointing or any(getattr(self, f) for f in flags):
+            raw["activation_checkpointing"] = {**raw.get("activation_checkpointing", {}),
+                                               **{f: True for f in flags if getattr(self, f)}}
         return raw
 
 
@@ -113,7 +122,11 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(args.seed)
-    if args.ddp:
+    mesh = None
+    if args.tp > 1:  # built whole, then split over tp by its own plan (torch's parallelize_module)
+        mesh = init_device_mesh(args.device, (args.nproc // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        model = zeroshard.tensor_parallel(build_model(args), mesh["tp"])
+    elif args.ddp:
         model = build_model(args)
     else:  # partitioned construction: the same values, but no rank ever holds the whole model
         with zeroshard.init():
@@ -124,8 +137,9 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     fused = not args.ddp and zeroshard.Config.load(args.engine_config()).zero.offload_optimizer
     make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1, fused=fused or None)  # noqa: E731
     engine = DDPBaseline(model, make_opt, args.device) if args.ddp else \
-        zeroshard.initialize(model, make_opt, args.engine_config())
-    rank, world = zeroshard.rank_and_world_size()
+        zeroshard.initialize(model, make_opt, args.engine_config(), mesh=mesh)
+    rank = zeroshard.rank_and_world_size()[0]
+    dp_rank, dp = data_rank(engine)
     data = Batches(load_corpus(args.data or None), args.seq_len)
     checkpoints = os.path.join(args.out, "checkpoints")
     history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume)
@@ -136,7 +150,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         os.makedirs(args.out, exist_ok=True)
     for step in range(len(history), args.steps):
         maybe_kill(kill, rank, step)
-        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * world + rank)
+        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * dp + dp_rank)  # tp: alike
         x, y = (t.to(engine.device) for t in data.get("train", args.batch_size, batch_rng))
         start = time.perf_counter()
         loss = lm_loss(logits_of(engine(x)), y)
@@ -145,7 +159,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         _wait_for_device(engine.device)  # a GPU step is done when its kernels are, not when queued
         times.append(time.perf_counter() - start)
         history.append(zeroshard.mean_over_ranks(loss))
-        tokens += x.numel() * world
+        tokens += x.numel() * dp
         progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
                              states_MiB=f"{engine.memory_stats()['model_states'] / MIB:.1f}")
         progress.update()
@@ -216,7 +230,7 @@ def _progress(args: TrainArgs, rank: int, initial: int):
 @torch.no_grad()
 def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float:
     """Validation loss in eval mode (no dropout, so no draw from the RNG the checkpoint saves)."""
-    rng = torch.Generator().manual_seed(12345 + zeroshard.rank_and_world_size()[0])
+    rng = torch.Generator().manual_seed(12345 + data_rank(engine)[0])
     pairs = (data.get("val", args.batch_size, rng) for _ in range(batches))
     engine.eval()
     losses = [lm_loss(logits_of(engine(x.to(engine.device))), y.to(engine.device)) for x, y in pairs]
@@ -236,13 +250,21 @@ def _sample(engine, args: TrainArgs) -> str:
     return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
 
 
+def data_rank(engine) -> tuple[int, int]:
+    """(this rank's index, ranks) among those reading different data: the dp group (the tp ranks of
+    one model shard read the same batch), the world for the DDP baseline."""
+    comm = getattr(engine, "comm", None)
+    return (comm.rank, comm.world_size) if comm is not None else zeroshard.rank_and_world_size()
+
+
 def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
             text: str, seconds: float) -> None:
     psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
-    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters; ZeRO stage {args.stage}, "
+    split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
+    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
           f"{world} ranks, {args.precision} AdamW "
           f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
-    for line in memory_table(per_rank, psi, args.stage, args.precision):
+    for line in memory_table(per_rank, psi, args.stage, args.precision, dp=world // args.tp):
         print(line)
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     print(traffic_line(step_bytes, psi, args.stage, args.precision))

@@ -1,5 +1,5 @@
 """Composition with torch tensor parallelism (2-D meshes) and ZeRO-R activation checkpoints."""
-from .mesh import Axes, split
+from .mesh import Axes, check_heads, split
 from .plan import tensor_parallel
 
-__all__ = ["Axes", "split", "tensor_parallel"]
+__all__ = ["Axes", "check_heads", "split", "tensor_parallel"]

@@ -97,13 +97,13 @@ def check_parallelized(model: nn.Module, axes: Axes) -> None:
 
 
 def check_heads(model: nn.Module, tp: int) -> None:
-    """For a Hugging Face config, where the heads are known: tp must divide them."""
-    config = getattr(model, "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
-        heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % tp:
-            raise ConfigError(f"tp = {tp} does not divide the model's {key} = {heads}: each tp rank must "
-                              f"hold whole heads; choose a tp size that divides {heads}")
+    """Where the heads are known (a Hugging Face config, zeroshard's GPT): tp must divide them."""
+    for config in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        for key in ("num_attention_heads", "num_key_value_heads", "n_head", "heads"):
+            heads = getattr(config, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise ConfigError(f"tp = {tp} does not divide the model's {key} = {heads}: each tp rank "
+                                  f"must hold whole heads; choose a tp size that divides {heads}")
 
 
 def attach_tp(comm: "Comm", model: nn.Module, axes: Axes) -> None:
