@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 from typing import Any, Callable
 
@@ -79,12 +80,23 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def _writable(path: str) -> bool:
+    """Can this process create directories there? (Tried: access() says yes to root everywhere.)"""
+    if not os.access(path, os.W_OK | os.X_OK):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".zeroshard-probe-", dir=path))
+    except OSError:
+        return False
+    return True
+
+
 def _problem(path: str, run: str, rank: int, needed: int, restart: bool) -> str | None:
     """Why this rank cannot write `needed` bytes under path/run, or None."""
     if not os.path.isdir(path):
         return f"nvme_path '{path}' does not exist or is not a directory; create it or point nvme_path " \
                f"at a directory on the disk to use"
-    if not os.access(path, os.W_OK | os.X_OK):
+    if not _writable(path):
         return f"nvme_path '{path}' is not writable by this process; fix its permissions or choose another"
     mine = os.path.join(path, run, f"rank{rank}")
     if os.path.exists(mine) and not restart:
