@@ -37,10 +37,11 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
 
 def _add_offload_options(p: argparse.ArgumentParser) -> None:
     # A bare --offload-optimizer means cpu, as the flag it replaces did. Not given: the config's.
-    p.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=["none", "cpu"],
-                   help="fp32 master weights and optimizer state in host memory (stage >= 1)")
-    p.add_argument("--offload-param", nargs="?", const="cpu", choices=["none", "cpu"],
-                   help="stage 3: parameter shards rest in host memory between uses")
+    p.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=["none", "cpu", "nvme"],
+                   help="fp32 master weights and optimizer state in host memory (cpu) or in files "
+                        "under --nvme-path (nvme, ZeRO-Infinity) (stage >= 1)")
+    p.add_argument("--offload-param", nargs="?", const="cpu", choices=["none", "cpu", "nvme"],
+                   help="stage 3: parameter shards rest in host memory (cpu) or in files (nvme) between uses")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +60,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "(default 0: only at the end)")
     _add_training_options(p, steps=300)
     _add_offload_options(p)
+    p.add_argument("--nvme-path", metavar="DIR", help="directory for the nvme offload's files (a fast "
+                                                     "local disk); each run writes and removes its own")
 
 
 def _compare_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +94,9 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="fp32 Adam (4+4+8 bytes/param) or mixed-precision Adam (2+2+12) (default bf16)")
     _add_offload_options(p)
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"],
+                   help="both offloads at once (parameters at stage 3): nvme gives ZeRO-Infinity's model, "
+                        "with the offloaded states on disk")
     p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
     p.add_argument("--table2", action="store_true",
                    help="print Table 2's theoretical columns recomputed and exit")
@@ -132,8 +138,12 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.nproc % args.mp:
         parser.error(f"--nproc ({args.nproc}) must be a multiple of --mp ({args.mp})")
     psi = _estimate_psi(parser, args)
-    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer == "cpu", args.mp,
-                 args.offload_param == "cpu"))
+    optimizer, param = args.offload_optimizer or args.offload, args.offload_param or args.offload
+    places = {p for p in (optimizer, param) if p not in (None, "none")}
+    if len(places) > 1:
+        parser.error("the offloads go to one place in this model: both cpu or both nvme")
+    print(report(psi, args.nproc, args.stage, args.precision, optimizer in ("cpu", "nvme"), args.mp,
+                 param in ("cpu", "nvme"), disk=places == {"nvme"}))
 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:
