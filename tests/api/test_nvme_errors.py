@@ -29,7 +29,8 @@ def _initialize(path: str, **kwargs):
 
 
 def _dead_pid() -> int:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
     return int(done.stdout)
 
 
@@ -114,7 +115,8 @@ def test_no_file_outlives_a_process_ended_by_an_exception(tmp_path):
      ["offload_optimizer.device", "needs zero_optimization.offload_optimizer.nvme_path"]),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
       "zeroshard": {"delayed_param_update": True}}, ["delayed_param_update", "nvme"]),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": 3}}}, ["nvme_path", "string"]),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": 3}}},
+     ["nvme_path", "string"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 0}}},
      ["offload_optimizer.buffer_count", ">= 1"]),
     ({"zero_optimization": {"offload_param": {"device": "nvme", "max_in_cpu": -1}}}, ["max_in_cpu", ">= 0"]),
