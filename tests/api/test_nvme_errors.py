@@ -143,3 +143,10 @@ def test_the_deepspeed_disk_offload_keys_are_accepted():
     assert cfg.zero.offload_optimizer and cfg.zero.offload_param and cfg.nvme.optimizer and cfg.nvme.params
     assert cfg.nvme.optimizer_path == "/nvme" and cfg.nvme.buffer_count == 4 and cfg.nvme.max_in_cpu == 10**9
     assert cfg.nvme.aio["block_size"] == 1048576
+
+
+def test_two_engines_of_one_run_get_a_directory_each(one_process_group, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run2")
+    first, second = _initialize(str(tmp_path)), _initialize(str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "zeroshard-run2")) == ["rank0", "rank0.1"]
+    assert first.memory_stats()["disk"] == second.memory_stats()["disk"] > 0

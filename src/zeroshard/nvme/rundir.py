@@ -1,7 +1,8 @@
 """The directories disk offload writes into, and the checks that come before anything is written.
 
 Invariants:
-- Files live in `<nvme_path>/zeroshard-<run id>/rank<r>/` and nowhere else. The run id is the elastic
+- Files live in `<nvme_path>/zeroshard-<run id>/rank<r>/` (`rank<r>.<k>` for a process's k-th
+  further engine) and nowhere else. The run id is the elastic
   launcher's (TORCHELASTIC_RUN_ID, as torchrun and `zeroshard train` set it) or one drawn by rank 0;
   it is the same on every rank.
 - Before the first file: every nvme_path exists, is a writable directory, and has room for every
@@ -91,6 +92,16 @@ def _writable(path: str) -> bool:
     return True
 
 
+_opened: dict[str, int] = {}  # run directory -> engines of this process that opened one there
+
+
+def _rank_dir(path: str, run: str, rank: int) -> str:
+    """This rank's directory for the next engine of this process: rank<r>, then rank<r>.1, ... (the
+    same names in the same order after an elastic restart, which reclaims them)."""
+    k = _opened.get(os.path.join(path, run), 0)
+    return os.path.join(path, run, f"rank{rank}" + (f".{k}" if k else ""))
+
+
 def _problem(path: str, run: str, rank: int, needed: int, restart: bool) -> str | None:
     """Why this rank cannot write `needed` bytes under path/run, or None."""
     if not os.path.isdir(path):
@@ -98,7 +109,7 @@ def _problem(path: str, run: str, rank: int, needed: int, restart: bool) -> str 
                f"at a directory on the disk to use"
     if not _writable(path):
         return f"nvme_path '{path}' is not writable by this process; fix its permissions or choose another"
-    mine = os.path.join(path, run, f"rank{rank}")
+    mine = _rank_dir(path, run, rank)
     if os.path.exists(mine) and not restart:
         alive = [o for o in _owners(os.path.join(path, run)) if o and _alive(o)]
         why = "in use by a live process" if alive else "left by a killed run"
@@ -139,7 +150,8 @@ def prepare(needs: dict[str, int], comm: Comm) -> dict[str, str]:
         raise ConfigError(f"disk offload: {found[0]}")
     dirs = {}
     for path in needs:
-        mine = os.path.join(path, run, f"rank{comm.rank}")
+        mine = _rank_dir(path, run, comm.rank)
+        _opened[os.path.join(path, run)] = _opened.get(os.path.join(path, run), 0) + 1
         if os.path.exists(mine):  # an elastic restart of this run: its files are reclaimed
             logger.warning("disk offload: reclaiming '%s' from the previous attempt of this run", mine)
             shutil.rmtree(mine)
