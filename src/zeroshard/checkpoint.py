@@ -32,6 +32,7 @@ from . import checkpoint_meta, integrity
 from .comm import Comm
 from .flat_param import FlatParam
 from .integrity import CheckpointError
+from .memory import on_disk
 from .parallel.dtensor import canonical, from_canonical
 
 LATEST = "latest"
@@ -77,11 +78,11 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         opt_state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
         for name, start, a, b, _ in _slices(flat, *flat.range):
             piece = slice(a - flat.range[0], b - flat.range[0])
-            state[f"param/{name}/{start}"] = values[piece].float().cpu().clone()
+            state[f"param/{name}/{start}"] = _stored(values[piece])
             for key, value in opt_state.items():
                 if _is_elementwise(value, flat):
                     v = value[owned] if value.numel() == flat.layout.padded_numel else value
-                    state[f"optim.{key}/{name}/{start}"] = v[piece].float().cpu().clone()
+                    state[f"optim.{key}/{name}/{start}"] = _stored(v[piece])
                     elementwise.add(key)
         for key, value in opt_state.items():
             if not _is_elementwise(value, flat):
@@ -108,6 +109,13 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
             failed = f"checkpoint not committed: {e}"
     integrity.agree(comm, failed)  # rank 0's failure, raised on every rank rather than awaited
     return final
+
+
+def _stored(piece: torch.Tensor) -> torch.Tensor:
+    """A piece as saved: an fp32 CPU copy, or, where it rests in a file (disk offload), the piece
+    itself, which DCP then streams from its file rather than from a copy of the whole state."""
+    piece = piece.float().cpu()
+    return piece if on_disk(piece) else piece.clone()
 
 
 def _is_elementwise(value: Any, flat: FlatParam) -> bool:

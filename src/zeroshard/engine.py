@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from . import checkpoint, memory
+from . import checkpoint, memory, nvme
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
@@ -80,7 +80,10 @@ class Engine:
             self._build(optimizer, param_groups, lr_scheduler)
         except BaseException:
             self._restore_module(originals)  # a failed initialize leaves the model as it was
+            if getattr(self, "copier", None) is not None:
+                self.copier.close()  # disk offload: no file outlives a failed initialize
             raise
+        nvme.tie(self, self.copier.disk if self.copier is not None else None)  # files go with the engine
         module._zeroshard_wrapped = True
 
     def _build(self, optimizer: OptimizerSpec, param_groups: list[dict] | None, lr_scheduler: Any) -> None:
@@ -93,7 +96,10 @@ class Engine:
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
-        build_optimizer(optimizer, config, [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options])
+        stand_ins = [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options]
+        probe = build_optimizer(optimizer, config, stand_ins)
+        if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
+            self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)
         if hasattr(lr_scheduler, "state_dict"):
             raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
                             "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
@@ -399,6 +405,10 @@ class Engine:
         "activation_all_gather": the all-gathers over tp before each recompute, in total."""
         extra = {} if self.activations is None else {"activation_all_gather": dict(self.activations.gathers)}
         return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic), **extra}
+
+    def io_stats(self) -> dict[str, Any]:
+        """Disk offload: bytes read and written in the last step and in total (zeros without it)."""
+        return nvme.io_stats(self.copier.disk if self.copier is not None else None)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding."""

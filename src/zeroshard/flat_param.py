@@ -92,9 +92,8 @@ class FlatParam:
         self.persistent = not policy.shard_params or persistent
         self.shard = self.full[self.range[0]:self.range[1]]
         self.shard_on_host = policy.shard_params and precision.offload_params and not self.persistent
-        if self.shard_on_host:
-            self.shard = copier.host_empty(self.layout.shard_numel, self.full.dtype, precision.pin_params)
-            self.shard.copy_(self.full[self.range[0]:self.range[1]])
+        if self.shard_on_host:  # in host memory, or in a file with disk offload
+            self.shard = copier.new_shard(self.full[self.range[0]:self.range[1]], precision.pin_params)
         elif policy.shard_params:
             self.shard = self.shard.clone()
         self.copier = copier
@@ -142,8 +141,7 @@ class FlatParam:
             self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
         updated = self.shard if self.policy.shard_optimizer else self.full
         if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
-            self.master = self.copier.host_empty(owned_source.numel(), torch.float32, p.pin_memory)
-            self.master.copy_(owned_source)
+            self.master = self.copier.new_master(owned_source, p.pin_memory)  # host memory, or a file
             self.host = HostCopies(self.copier, self.master.numel(), self.grad_shard.dtype,
                                    None if self.shard_on_host else p.param_dtype)
         elif p.separate_master:
@@ -195,7 +193,7 @@ class FlatParam:
         in `full` (the all-gather then runs in place); an uploaded update is waited for."""
         if self.shard_on_host:
             own = self.full[self.range[0]:self.range[1]]
-            own.copy_(self.shard, non_blocking=True)  # pinned: ordered on the compute stream, host free
+            self.copier.shard_up(own, self.shard)  # pinned: ordered on the compute stream, host free
             if own.is_cuda:  # the host must not write the shard until this copy has read it
                 self._host_read = torch.cuda.Event()
                 self._host_read.record()
@@ -365,8 +363,10 @@ class FlatParam:
         with torch.no_grad():
             if self.master is not updated and self.host is not None and not self.shard_on_host:
                 self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously
-            elif self.master is not updated:
+            elif self.master is not updated and self.shard_on_host:
                 self.await_host_read()
+                self.copier.shard_down(updated, self.master)  # host memory, or its file
+            elif self.master is not updated:
                 updated.copy_(self.master)
             if not (self.policy.shard_optimizer and self.persistent):
                 return

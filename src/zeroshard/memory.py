@@ -42,7 +42,20 @@ def buffer_bytes(flat: FlatParam) -> dict[str, int]:
         + _inflight_bytes(flat),
         "transfer": flat.host.nbytes if flat.host is not None else 0,  # offload's host buffers
         "params_on_host": _nbytes(flat.shard) if flat.shard_on_host else 0,
+        "disk": (_nbytes(flat.master) if separate and on_disk(flat.master) else 0)
+        + (_nbytes(flat.shard) if flat.shard_on_host and on_disk(flat.shard) else 0),
     }
+
+
+def on_disk(t: torch.Tensor | None) -> bool:
+    """Does `t` rest in a file (disk offload maps its files; nothing else here does)?"""
+    return t is not None and t.device.type == "cpu" and t.untyped_storage().filename is not None
+
+
+def _stream_buffers(flats: list[FlatParam]) -> int:
+    """The host buffers disk offload's optimizer step streams through (nvme/stream.py)."""
+    disk = next((f.copier.disk for f in flats if f.copier is not None and f.copier.disk is not None), None)
+    return disk.stream.nbytes if disk is not None and disk.stream is not None else 0
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -65,7 +78,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
                  peak_temporary: int, largest_bucket: int) -> dict[str, int]:
-    """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category."""
+    """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category, and by
+    place: device + host + disk = model_states + buffers + temporary + transfer."""
     held: Counter = Counter()
     for flat in flats:
         held.update(buffer_bytes(flat))
@@ -75,10 +89,13 @@ def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, modul
              "buffers": tensor_bytes(module.buffers()), "temporary": held["temporary"]}
     stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
     stats["offloaded"] = optim if offload else 0  # the optimizer's, held in host memory
-    # By place: offloaded states, and the buffers they travel through, are in host memory; the
-    # rest is on the process group's device (which, on a CPU group, is host memory too).
-    stats["transfer"] = held["transfer"]
-    stats["host"] = stats["offloaded"] + held["params_on_host"] + held["transfer"]
+    # By place: offloaded states, and the buffers they travel through, are in host memory, or in
+    # files with disk offload (whose step streams through host buffers of its own); the rest is
+    # on the process group's device (which, on a CPU group, is host memory too).
+    states = (v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    stats["disk"] = held["disk"] + tensor_bytes(v for v in states if on_disk(v))
+    stats["transfer"] = held["transfer"] + _stream_buffers(flats)
+    stats["host"] = stats["offloaded"] + held["params_on_host"] + stats["transfer"] - stats["disk"]
     stats["device"] = stats["model_states"] + stats["buffers"] + stats["temporary"] \
         - stats["offloaded"] - held["params_on_host"]
     stats["peak_temporary"] = max(peak_temporary, stats["temporary"])

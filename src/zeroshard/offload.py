@@ -23,6 +23,8 @@ Design notes.
   so correctness never depends on when the early copy happened.
 - On a CPU process group host and device are one memory. The same copies then run synchronously,
   so the CPU tests execute every line here but the stream calls.
+- Disk offload (nvme/) replaces a host tensor by a file: `disk` is then the rank's store, and the
+  master and the shards are made, read and written through the methods below, never by mapping.
 """
 from __future__ import annotations
 
@@ -47,6 +49,52 @@ class Copier:
         self._then: Callable[[], None] = lambda: None
         self._error: BaseException | None = None
         self.unwritten = False  # an update is done (or in flight) that the parameters lack
+        self.disk = None  # nvme.DiskStore with disk offload: the master/shards rest in its files
+        self._files = 0
+
+    # ---- where offloaded tensors rest: host memory, or files (disk offload) -------------------
+    def new_master(self, values: torch.Tensor, pin: bool) -> torch.Tensor:
+        """The fp32 master shard with `values`: in host memory, or in a file of the disk store."""
+        if self.disk is not None and "optimizer" in self.disk.dirs:
+            self._files += 1
+            master = self.disk.new_tensor("optimizer", f"flat{self._files}.master", values.numel(),
+                                          torch.float32)
+            self.disk.write(master, values.float())
+            return master
+        master = self.host_empty(values.numel(), torch.float32, pin)
+        master.copy_(values)
+        return master
+
+    def new_shard(self, values: torch.Tensor, pin: bool) -> torch.Tensor:
+        """A stage-3 parameter shard at rest with `values`: in host memory, or in a file."""
+        if self.disk is not None and "param" in self.disk.dirs:
+            self._files += 1
+            shard = self.disk.new_tensor("param", f"flat{self._files}.shard", values.numel(), values.dtype)
+            self.disk.write(shard, values)
+            return shard
+        shard = self.host_empty(values.numel(), values.dtype, pin)
+        shard.copy_(values)
+        return shard
+
+    def shard_up(self, own: torch.Tensor, shard: torch.Tensor) -> None:
+        """own <- an offloaded shard (a file is read into it; host memory is copied, asynchronously
+        from pinned memory)."""
+        if self.disk is not None and self.disk.owns(shard):
+            self.disk.read(shard, own)
+        else:
+            own.copy_(shard, non_blocking=True)
+
+    def shard_down(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        """An offloaded shard <- values (the updated master, in the shard's dtype)."""
+        if self.disk is not None and self.disk.owns(shard):
+            self.disk.write(shard, values)
+        else:
+            shard.copy_(values)
+
+    def close(self) -> None:
+        """Remove the disk store's files, if any (a failed initialize; teardown does it by itself)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         """A host tensor, pinned if asked and there is a GPU to copy to (pinning speeds only that)."""

@@ -18,6 +18,7 @@ from .config import Config, ConfigError
 from .nonfinite import NonFiniteGuard
 from .precision import LossScaler
 from .flat_param import FlatParam
+from .nvme import stream_groups
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 # Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
@@ -187,8 +188,9 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
             sub_group_size: int, write_back: bool) -> None:
     """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
     gradient copies alive at once), writing each back unless the caller does so later."""
+    groups = stream_groups(sub_groups(trainable, sub_group_size), optimizer)  # disk offload: streamed
     try:
-        for group in sub_groups(trainable, sub_group_size):
+        for group in groups:
             for f in group:  # fp32 gradient copies for one sub-group at a time
                 f.attach_master_grad(factor)
             optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
@@ -197,6 +199,7 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
                 if write_back:
                     f.write_back()  # issues the post-step all-gather (stages 1-2): in flight as we go on
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
+        groups.close()
         for f in trainable:
             f.release_master_grad()
             if write_back:

@@ -37,10 +37,11 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
 
 def _add_offload_options(p: argparse.ArgumentParser) -> None:
     # A bare --offload-optimizer means cpu, as the flag it replaces did. Not given: the config's.
-    p.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=["none", "cpu"],
-                   help="fp32 master weights and optimizer state in host memory (stage >= 1)")
-    p.add_argument("--offload-param", nargs="?", const="cpu", choices=["none", "cpu"],
-                   help="stage 3: parameter shards rest in host memory between uses")
+    p.add_argument("--offload-optimizer", nargs="?", const="cpu", choices=["none", "cpu", "nvme"],
+                   help="fp32 master weights and optimizer state in host memory (cpu) or in files "
+                        "under --nvme-path (nvme, ZeRO-Infinity) (stage >= 1)")
+    p.add_argument("--offload-param", nargs="?", const="cpu", choices=["none", "cpu", "nvme"],
+                   help="stage 3: parameter shards rest in host memory (cpu) or in files (nvme) between uses")
 
 
 def _add_tensor_parallel_options(p: argparse.ArgumentParser) -> None:
@@ -72,6 +73,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     _add_training_options(p, steps=300)
     _add_tensor_parallel_options(p)
     _add_offload_options(p)
+    p.add_argument("--nvme-path", metavar="DIR", help="directory for the nvme offload's files (a fast "
+                                                     "local disk); each run writes and removes its own")
 
 
 def _compare_parser(sub: argparse._SubParsersAction) -> None:
@@ -109,6 +112,9 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         "for a model given by --model or --layers/--width, and exit")
     p.add_argument("--batch", type=int, default=16, help="--configs: sequences per GPU (default 16)")
     p.add_argument("--seq-len", type=int, default=1024, help="--configs: tokens per sequence (default 1024)")
+    p.add_argument("--offload", choices=["none", "cpu", "nvme"],
+                   help="both offloads at once (parameters at stage 3): nvme gives ZeRO-Infinity's model, "
+                        "with the offloaded states on disk")
     p.add_argument("--table1", action="store_true", help="print the paper's Table 1 recomputed and exit")
     p.add_argument("--table2", action="store_true",
                    help="print Table 2's theoretical columns recomputed and exit")
@@ -159,8 +165,12 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         print(configurations_text(psi, args.layers or layers, args.width or width, args.nproc, args.mp,
                                   args.batch, args.seq_len, args.precision))
         return
-    print(report(psi, args.nproc, args.stage, args.precision, args.offload_optimizer == "cpu", args.mp,
-                 args.offload_param == "cpu"))
+    optimizer, param = args.offload_optimizer or args.offload, args.offload_param or args.offload
+    places = {p for p in (optimizer, param) if p not in (None, "none")}
+    if len(places) > 1:
+        parser.error("the offloads go to one place in this model: both cpu or both nvme")
+    print(report(psi, args.nproc, args.stage, args.precision, optimizer in ("cpu", "nvme"), args.mp,
+                 param in ("cpu", "nvme"), disk=places == {"nvme"}))
 
 
 def _check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: list[str]) -> None:

@@ -24,7 +24,8 @@ def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision
     if per_rank and per_rank[0].get("host"):  # offload: where the bytes are (transfer buffers included)
         lines.append("offload, rank 0: " + f"{per_rank[0]['device'] / MIB:.2f} MiB on the device, "
                      f"{per_rank[0]['host'] / MIB:.2f} MiB in host memory "
-                     f"({per_rank[0]['transfer'] / MIB:.2f} of it transfer buffers)")
+                     f"({per_rank[0]['transfer'] / MIB:.2f} of it transfer buffers)"
+                     + (f", {per_rank[0]['disk'] / MIB:.2f} MiB on disk" if per_rank[0].get("disk") else ""))
     return lines
 
 

@@ -46,8 +46,9 @@ class TrainArgs:
     precision: str = "fp32"
     data: list[str] = field(default_factory=list)
     config: str | None = None    # a DeepSpeed-style JSON; --stage, --precision, --offload-* override it
-    offload_optimizer: str | None = None  # "none" or "cpu"; None: as the config says
+    offload_optimizer: str | None = None  # "none", "cpu" or "nvme"; None: as the config says
     offload_param: str | None = None
+    nvme_path: str | None = None  # where "nvme" offload writes its files; None: as the config says
     hf_config: str | None = None  # a Hugging Face config.json: that architecture, built from scratch
     out: str = "out"
     resume: bool = False
@@ -68,7 +69,11 @@ class TrainArgs:
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
         for key in ("offload_optimizer", "offload_param"):  # given on the command line: they win
             if getattr(self, key) is not None:
-                raw["zero_optimization"][key] = {"device": getattr(self, key), "pin_memory": True}
+                section = {**raw["zero_optimization"].get(key, {}), "device": getattr(self, key),
+                           "pin_memory": True}
+                raw["zero_optimization"][key] = section
+            if self.nvme_path is not None and raw["zero_optimization"].get(key, {}).get("device") == "nvme":
+                raw["zero_optimization"][key]["nvme_path"] = self.nvme_path
         for name in ("bf16", "fp16"):
             raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
         flags = ("partition_activations", "cpu_checkpointing")

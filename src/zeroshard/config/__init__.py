@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from .keys import NOT_IMPLEMENTED_TOP, TOP_LEVEL
+from .nvme_keys import check as check_nvme
 from .sections import DTYPES, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
 
 __all__ = ["Config", "ConfigError", "OptimizerConfig", "ScalerConfig", "Settings", "ZeroConfig", "DTYPES"]
@@ -62,6 +63,7 @@ class Config(Settings):
             raise ConfigError("zeroshard.delayed_param_update overlaps the host optimizer step with the "
                               "next forward and backward: it needs zero_optimization.offload_optimizer "
                               "{\"device\": \"cpu\"}; add it or remove delayed_param_update")
+        check_nvme(cfg)
         return cfg
 
 

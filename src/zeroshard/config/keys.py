@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
 from .sections import (DTYPES, OPTIMIZERS, ActivationConfig, ConfigError, OptimizerConfig, ScalerConfig,
                        Settings, ZeroConfig)
 
@@ -20,7 +21,7 @@ NOT_IMPLEMENTED_TOP = {
     "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
     "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "aio", "data_types",
+    "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "data_types",
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
 _NOT_IMPLEMENTED_ZERO = {
@@ -248,25 +249,27 @@ def _clipping(cfg: Settings, value: Any) -> None:
     cfg.gradient_clipping = _as_number("gradient_clipping", value, 0.0, note="(0: off)")
 
 
-_NVME_KEYS = {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
-              "pipeline_read", "pipeline_write", "pipeline"}
+_NVME_KEYS = {"fast_init", "ratio", "pipeline_read", "pipeline_write", "pipeline"}  # DeepSpeed's, not built
 
 
 def _offload(cfg: Settings, value: Any, section: str) -> None:
-    """offload_optimizer / offload_param: {"device": "cpu" | "none", "pin_memory": bool}."""
+    """offload_optimizer / offload_param: {"device": "cpu" | "nvme" | "none", "pin_memory": bool, and
+    the disk offload's keys (nvme_keys.py)}."""
     pin = "offload_pin_memory" if section == "offload_optimizer" else "offload_param_pin_memory"
     for key, v in _as_dict(f"zero_optimization.{section}", value).items():
         name = f"zero_optimization.{section}.{key}"
         if key == "device":
             _refuse_auto(name, v)
-            if v not in ("cpu", "none"):
-                hint = " (nvme is not implemented yet)" if v == "nvme" else ""
-                raise ConfigError(f"config key '{name}' must be \"cpu\" or \"none\", got {v!r}{hint}")
-            setattr(cfg.zero, section, v == "cpu")
+            if v not in ("cpu", "nvme", "none"):
+                raise ConfigError(f"config key '{name}' must be \"cpu\", \"nvme\" or \"none\", got {v!r}")
+            setattr(cfg.zero, section, v != "none")  # nvme: the host offload, its states resting in files
+            set_device(cfg, section, v == "nvme")
         elif key == "pin_memory":
             setattr(cfg.zero, pin, _as_bool(name, v))
+        elif key in NVME_KEYS[section]:
+            nvme_key(cfg, section, key, v)
         else:
-            _refuse(name, _NVME_KEYS, ["device", "pin_memory"])
+            _refuse(name, _NVME_KEYS, ["device", "pin_memory", *NVME_KEYS[section]])
 
 
 def _wall_clock(cfg: Settings, value: Any) -> None:
@@ -336,6 +339,7 @@ def _activations(cfg: Settings, value: Any) -> None:
 
 TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "zero_optimization": _zero,
+    "aio": aio,
     "optimizer": _optimizer,
     "train_batch_size": _set_int("train_batch_size", 1),
     "train_micro_batch_size_per_gpu": _set_int("train_micro_batch_size_per_gpu", 1),

@@ -46,6 +46,22 @@ class ZeroConfig:
 
 
 @dataclass
+class NvmeConfig:
+    """`offload_*.device: "nvme"` (ZeRO-Infinity): which states rest in files, where, and the knobs of
+    the streaming (DeepSpeed's names). The `aio` section is validated and kept; see nvme_keys.py."""
+
+    optimizer: bool = False              # fp32 master shards + optimizer state in files
+    params: bool = False                 # stage 3: parameter shards in files
+    optimizer_path: str | None = None
+    param_path: str | None = None
+    buffer_count: int = 4                # host buffers the optimizer step streams sub-groups through
+    param_buffer_count: int = 5          # offload_param.buffer_count (advisory)
+    param_buffer_size: int = 100_000_000  # offload_param.buffer_size (advisory)
+    max_in_cpu: int = 1_000_000_000      # offload_param: most elements cached in host memory
+    aio: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class OptimizerConfig:
     """`optimizer`: a torch.optim class by DeepSpeed-style name, with its keyword arguments."""
 
@@ -84,6 +100,7 @@ class Settings:
     """Every setting, typed, with the defaults; keys.py fills them, Config loads and validates them."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)  # disk offload (ZeRO-Infinity)
     optimizer: OptimizerConfig | None = None
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None

@@ -21,7 +21,7 @@ GB, GIB = 10**9, 2**30
 
 @dataclass(frozen=True)
 class ModelStates:
-    """Bytes of model states one rank holds. Invariant: device + host == total + transfer."""
+    """Bytes of model states one rank holds. Invariant: device + host + disk == total + transfer."""
 
     params: float
     grads: float
@@ -29,15 +29,22 @@ class ModelStates:
     offload_optimizer: bool = False
     offload_param: bool = False   # stage 3 only: the parameter shards rest on the host
     transfer: float = 0.0         # offload's host buffers: the gradient's and the update's copies
+    disk_optimizer: bool = False  # ZeRO-Infinity: the offloaded optimizer state rests on disk
+    disk_param: bool = False      # ... and the offloaded parameter shards
+
+    @property
+    def disk(self) -> float:
+        return (self.optimizer if self.offload_optimizer and self.disk_optimizer else 0.0) + \
+            (self.params if self.offload_param and self.disk_param else 0.0)
 
     @property
     def host(self) -> float:
         return (self.optimizer if self.offload_optimizer else 0.0) + \
-            (self.params if self.offload_param else 0.0) + self.transfer
+            (self.params if self.offload_param else 0.0) + self.transfer - self.disk
 
     @property
     def device(self) -> float:
-        return self.total + self.transfer - self.host
+        return self.total + self.transfer - self.host - self.disk
 
     @property
     def total(self) -> float:
@@ -45,7 +52,8 @@ class ModelStates:
 
 
 def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
-                 offload_optimizer: bool = False, mp: int = 1, offload_param: bool = False) -> ModelStates:
+                 offload_optimizer: bool = False, mp: int = 1, offload_param: bool = False,
+                 disk: bool = False) -> ModelStates:
     """Per-rank model states for Ψ = `psi` parameters on `nproc` GPUs with MP-way model parallelism.
 
     Each category is the paper's formula with the other two byte counts set to zero, so the sum is
@@ -54,7 +62,9 @@ def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
     stays sharded, so the host holds the same kΨ/N per rank the device would have, plus zeroshard's
     transfer buffers: the reduced gradient's copy (g bytes per owned parameter) and the update's on
     its way up (p bytes; none where the parameter shards themselves are on the host). Parameter
-    offload applies at stage 3, the one stage that shards parameters.
+    offload applies at stage 3, the one stage that shards parameters. With `disk` (ZeRO-Infinity's
+    NVMe offload) what is offloaded rests on disk instead; the host keeps the transfer buffers (and
+    the step's few streaming buffers, a constant that is not modelled here).
     """
     if psi < 0:
         raise ValueError(f"parameter count must be >= 0, got {psi}")
@@ -68,7 +78,7 @@ def model_states(psi: float, nproc: int, stage: int, precision: str = "bf16",
     return ModelStates(paper_model_state_bytes(slice_psi, dp, stage, p, 0, 0),
                        paper_model_state_bytes(slice_psi, dp, stage, 0, g, 0),
                        paper_model_state_bytes(slice_psi, dp, stage, 0, 0, k), offload_optimizer,
-                       params_on_host, transfer)
+                       params_on_host, transfer, disk, disk)
 
 
 def max_params(device_bytes: float, gpus: int, mp: int, stage: int, precision: str = "bf16") -> float:
@@ -215,27 +225,29 @@ def _units(nbytes: float) -> tuple[str, float, str, float]:
 
 
 def report(psi: float, nproc: int, stage: int, precision: str = "bf16", offload_optimizer: bool = False,
-           mp: int = 1, offload_param: bool = False) -> str:
-    """What `zeroshard estimate` prints: the chosen stage by category, then stages 0-3 side by side."""
+           mp: int = 1, offload_param: bool = False, disk: bool = False) -> str:
+    """What `zeroshard estimate` prints: the chosen stage by category, then stages 0-3 side by side.
+    With `disk`, the offloaded states rest on disk (ZeRO-Infinity)."""
     p, g, k = BYTES_PER_PARAM[precision]
-    where = "host (offloaded)" if offload_optimizer else "device"
+    place = "disk (offloaded, ZeRO-Infinity)" if disk else "host (offloaded)"
+    where = place if offload_optimizer else "device"
     if offload_param:
-        where += "; parameters on host at stage 3 (offloaded)"
+        where += f"; parameters on {place.split(' ')[0]} at stage 3 (offloaded)"
     unit, scale, bunit, bscale = _units(model_states(psi, nproc, 0, precision, mp=mp).total)
     lines = [f"Ψ = {psi:,.0f} parameters on {nproc} GPUs (DP {nproc // mp} x MP {mp}), {precision}: "
              f"p = {p}, g = {g}, k = {k} bytes per parameter; optimizer state on {where}",
              f"stage {stage}, model states per rank:"]
-    s = model_states(psi, nproc, stage, precision, offload_optimizer, mp, offload_param)
-    for name, value in [("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer),
-                        ("transfer", s.transfer), ("device total", s.device), ("host total", s.host),
-                        ("total", s.total + s.transfer)]:
+    s = model_states(psi, nproc, stage, precision, offload_optimizer, mp, offload_param, disk)
+    rows = [("params", s.params), ("grads", s.grads), ("optimizer", s.optimizer), ("transfer", s.transfer),
+            ("device total", s.device), ("host total", s.host)] + ([("disk total", s.disk)] if disk else [])
+    for name, value in rows + [("total", s.total + s.transfer)]:
         lines.append(f"  {name:<13}{value:>20,.0f} B {value / GB:>12,.3f} GB {value / GIB:>12,.3f} GiB")
     lines += [f"all stages, per rank ({unit}, and {bunit} for the device total):",
               f"{'stage':>5} {'params':>11} {'grads':>11} {'optimizer':>11} {'device':>11} {'host':>11}"
-              f" {'device ' + bunit:>11}"]
+              + (f" {'disk':>11}" if disk else "") + f" {'device ' + bunit:>11}"]
     for st in (0, 1, 2, 3):
-        s = model_states(psi, nproc, st, precision, offload_optimizer, mp, offload_param)
-        cells = [s.params, s.grads, s.optimizer, s.device, s.host]
+        s = model_states(psi, nproc, st, precision, offload_optimizer, mp, offload_param, disk)
+        cells = [s.params, s.grads, s.optimizer, s.device, s.host] + ([s.disk] if disk else [])
         mark = "*" if st == stage else " "
         lines.append(f"{mark}{st:>4} " + " ".join(f"{v / scale:>11,.3f}" for v in cells)
                      + f" {s.device / bscale:>11,.3f}")
