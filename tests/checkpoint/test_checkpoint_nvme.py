@@ -8,8 +8,9 @@ import os
 import torch
 
 import zeroshard
-from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, reference_run
+from helpers.models import TinyGPT, assert_weights_match, reference_run
 from helpers.spawn import spawn
+from test_checkpoint import _train
 
 GLOBAL_BATCH, FIRST, SECOND = 12, 3, 3
 
@@ -30,16 +31,6 @@ def _engine(stage: int, seed: int, disk: str | None):
             zero["offload_param"] = {"device": "nvme", "nvme_path": disk}
     torch.manual_seed(seed)
     return zeroshard.initialize(TinyGPT(), _adamw, {"zero_optimization": zero}, lr_scheduler=_scheduler)
-
-
-def _train(engine, rank: int, world_size: int, steps: range) -> None:
-    local, data = GLOBAL_BATCH // world_size, batches(steps.stop, GLOBAL_BATCH)
-    for step in steps:
-        x, y = data[step]
-        loss = loss_fn(engine(x[rank * local:(rank + 1) * local], use_sometimes=step % 2 == 0),
-                       y[rank * local:(rank + 1) * local])
-        engine.backward(loss)
-        engine.step()
 
 
 def _save(rank: int, world_size: int, stage: int, directory: str, disk: str | None) -> None:

@@ -29,13 +29,18 @@ def _merge(*configs: dict) -> dict:
     return out
 
 
-def _train(rank: int, world_size: int, config: dict, steps: int = STEPS, scheduler=None, d: int = 16):
-    torch.manual_seed(0)
-    engine = zeroshard.initialize(TinyGPT(d=d), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
-                                  config, lr_scheduler=scheduler)
+def _train(rank: int, world_size: int, config: dict, steps: int | range = STEPS, scheduler=None, d: int = 16,
+           engine=None):
+    """Train `steps` (a count, or a range of the batch sequence) on a new engine, or on `engine`."""
+    steps = range(steps) if isinstance(steps, int) else steps
+    if engine is None:
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(TinyGPT(d=d), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+                                      config, lr_scheduler=scheduler)
     local, micro = GLOBAL_BATCH // world_size, engine.config.gradient_accumulation_steps
-    losses = []
-    for step, (x, y) in enumerate(batches(steps, GLOBAL_BATCH)):
+    data, losses = batches(steps.stop, GLOBAL_BATCH), []
+    for step in steps:
+        x, y = data[step]
         x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
         total = torch.zeros(())
         for m in range(micro):

@@ -9,12 +9,10 @@ import os
 import pytest
 import torch
 
-import zeroshard
 from helpers.accounting import live_tensor_bytes
-from helpers.models import TinyGPT, batches, loss_fn
 from helpers.spawn import spawn
+from test_offload import _train
 
-STEPS, GLOBAL_BATCH = 3, 12
 
 
 def nvme(path: str, optimizer: bool = True, params: bool = False, buffers: int = 4) -> dict:
@@ -24,28 +22,6 @@ def nvme(path: str, optimizer: bool = True, params: bool = False, buffers: int =
     if params:
         zero["offload_param"] = {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}
     return zero
-
-
-def _train(rank: int, world_size: int, config: dict, steps: range = range(STEPS), engine=None, d: int = 16):
-    if engine is None:
-        torch.manual_seed(0)
-        engine = zeroshard.initialize(TinyGPT(d=d), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
-                                      config)
-    local, micro = GLOBAL_BATCH // world_size, engine.config.gradient_accumulation_steps
-    data, losses = batches(steps.stop, GLOBAL_BATCH), []
-    for step in steps:
-        x, y = data[step]
-        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-        total = torch.zeros(())
-        for m in range(micro):
-            part = slice(m * local // micro, (m + 1) * local // micro)
-            loss = loss_fn(engine(x[part], use_sometimes=step % 2 == 0).float(), y[part])
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / micro
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return engine, losses
 
 
 def _files(path: str) -> list[str]:
