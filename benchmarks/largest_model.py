@@ -1,17 +1,15 @@
 """Largest GPT that zeroshard can train within a per-process memory budget, on CPU with gloo.
 
 Configurations: stages 0-3, "3+cpu" (stage 3, optimizer and parameters offloaded to host memory) and
-"3+nvme" (both on disk, ZeRO-Infinity: files in a fresh temporary directory under --nvme-dir, removed
-after each trial). For each, at --nproc ranks: doubling then bisection over depth (layers) at a fixed
-width. A trial builds the GPT on every rank, wraps it with zeroshard and runs 2 fp32 AdamW steps, all in
-fresh processes. The budget counts RSS plus page cache: the parent samples the system's page cache
-(/proc/meminfo Cached + Buffers) against its value before the trial, and charges the whole growth to
-every rank (conservative: the ranks' shares are not known). A trial fits if every rank exits cleanly
-and its peak RSS (ru_maxrss) + the peak page-cache growth stays within --budget-gib. A rank whose RSS +
-page-cache growth passes the budget is killed at once by a watchdog (so the machine never runs out), and
-an address-space limit (RLIMIT_AS = budget + 2 GiB, plus the rank's offload files, which it maps) turns
-a runaway allocation into an error. Out-of-memory errors count as "does not fit"; any other error stops
-the search. Targets at 4 ranks: stage 3 >= 3.5x stage 0 (paper), 3+nvme >= 8x stage 0 (issue 15).
+"3+nvme" (both on disk: files in a fresh directory under --nvme-dir, removed after each trial). For
+each, at --nproc ranks: doubling then bisection over depth at a fixed width. A trial builds the GPT on
+every rank, wraps it with zeroshard and runs 2 fp32 AdamW (fused) steps, in fresh processes. It fits
+if every rank exits cleanly and its peak RSS (ru_maxrss) plus the peak page-cache growth (/proc/meminfo
+Cached + Buffers against before the trial; the whole growth charged to every rank, as the ranks' shares
+are unknown) stays within --budget-gib. A watchdog kills a rank whose RSS + page-cache growth passes the
+budget (so the machine never runs out); RLIMIT_AS (budget + 2 GiB, plus the offload files a rank maps)
+turns a runaway allocation into an error. Out-of-memory errors count as "does not fit"; any other error
+stops the search. Targets at 4 ranks: stage 3 >= 3.5x stage 0 (paper), 3+nvme >= 8x (issue 15).
 
     python benchmarks/largest_model.py                    # full run: 4 ranks x 5 GiB, width 1024
     python benchmarks/largest_model.py --quick            # smoke test, a few minutes
@@ -44,8 +42,6 @@ from ranks import free_port
 GiB, MiB = 2**30, 2**20
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 OOM_MARKERS = ("can't allocate memory", "MemoryError", "out of memory", "Cannot allocate memory")
-
-
 CONFIGS = ("0", "1", "2", "3", "3+cpu", "3+nvme")
 
 
@@ -68,8 +64,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def page_cache_mib() -> float:
-    """The system's page cache and block buffers (MiB)."""
+def page_cache_mib() -> float:  # the system's page cache and block buffers
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) for line in f}
     return (info["Cached"] + info["Buffers"]) / 1024
@@ -82,7 +77,7 @@ def zero_config(name: str, args: argparse.Namespace, nvme_dir: str | None) -> di
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     elif offload == "nvme":
         disk = {"device": "nvme", "nvme_path": nvme_dir}
-        zero.update(sub_group_size=args.sub_group_size, offload_param=disk,
+        zero.update(sub_group_size=int(args.sub_group_size), offload_param=disk,
                     offload_optimizer={**disk, "buffer_count": args.buffer_count})
     return {"zero_optimization": zero}
 
@@ -106,7 +101,7 @@ def rank_main(rank: int, port: int, layers: int, name: str, nvme_dir: str | None
         else:
             model = GPT(gpt_config(layers, args))
         engine = zeroshard.initialize(model, config=zero_config(name, args, nvme_dir),
-                                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=False))
+                                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True))
         peak_init, states, disk = peak_rss_mib(), 0, 0
         for step in range(args.steps):
             tokens = torch.randint(256, (args.batch, args.seq + 1),
@@ -117,7 +112,6 @@ def rank_main(rank: int, port: int, layers: int, name: str, nvme_dir: str | None
             engine.step()
         results.put((rank, "ok", engine.num_parameters(), peak_init, peak_rss_mib(), states / MiB,
                      disk / MiB))
-        del engine  # its offload files go now, before the process group
         dist.destroy_process_group()
     except BaseException as e:  # report every failure, out-of-memory or not, to the parent
         detail = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
@@ -159,8 +153,7 @@ def run_trial(layers: int, name: str, args: argparse.Namespace) -> Trial:
     reason = reason or failure(rows, [p.exitcode for p in procs], f"{layers} layers at {name}")
     trial = Trial(layers, fits=False, psi=count_params(layers, args), cache_mib=cache[1], reason=reason,
                   seconds=time.time() - t0)
-    if rows:
-        trial.peak_mib = max(row[4] for row in rows)
+    trial.peak_mib = max((row[4] for row in rows), default=0.0)
     if not reason:
         trial.peak_init_mib = max(row[3] for row in rows)
         trial.model_states_mib = max(row[5] for row in rows)
@@ -186,8 +179,7 @@ def failure(rows: list[tuple], exit_codes: list[int], what: str) -> str:
 
 
 def watch(procs: list, budget_mib: float, timeout: float, cache: list[float]) -> str:
-    """Poll every rank's RSS and the page cache's growth (cache[1]: its peak) until all ranks exit;
-    return why the trial was stopped, or '' if it ended."""
+    """Poll the ranks' RSS and page-cache growth (its peak: cache[1]) until all exit: why stopped, or ''."""
     start = time.time()
     while any(p.is_alive() for p in procs):
         grown = cache[1] = max(cache[1], page_cache_mib() - cache[0])
@@ -252,7 +244,7 @@ def depth_for(psi: float, args: argparse.Namespace) -> int:
 
 def paper_ratio(name: str, n: int) -> str:
     """Largest Ψ relative to stage 0 if only fp32 Adam model states (16 bytes/param at stage 0) counted
-    (host offload on a CPU machine moves them from host memory to host memory: stage 3's)."""
+    (host offload on a CPU machine moves them from host memory to host memory: stage 3's; "-": 3+nvme)."""
     bytes_per_param = {"0": 16, "1": 8 + 8 / n, "2": 4 + 12 / n, "3": 16 / n, "3+cpu": 16 / n}.get(name)
     return f"{16 / bytes_per_param:.2f}" if bytes_per_param else "-"
 
@@ -298,13 +290,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=0.05, help="stop bisecting when hi - lo <= tol * lo layers")
     p.add_argument("--max-layers", type=int, default=1024)
     p.add_argument("--start-x", type=float, default=0.0,
-                   help="start the offload configurations' searches at this multiple of stage 0's Ψ "
-                        "(0: where the previous configuration's ended)")
+                   help="start 3+nvme's search at this multiple of stage 0's Ψ (0: where the previous "
+                        "configuration's search ended)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per trial")
-    p.add_argument("--nvme-dir", default=tempfile.gettempdir(),
-                   help="3+nvme: each trial's files go in a fresh directory under this one")
-    p.add_argument("--sub-group-size", type=float, default=5e6,
-                   help="3+nvme: sub_group_size (elements the step streams at a time)")
+    p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="3+nvme: trials' files go under it")
+    p.add_argument("--sub-group-size", type=float, default=5e6, help="3+nvme: sub_group_size (elements)")
     p.add_argument("--buffer-count", type=int, default=2, help="3+nvme: offload_optimizer.buffer_count")
     p.add_argument("--mmap-threshold-kib", type=int, default=0,
                    help="pin glibc's mmap threshold (e.g. 64), so freed tensors leave RSS; "
@@ -319,7 +309,6 @@ def parse() -> argparse.Namespace:
     args.stages = args.stages.split(",")
     if not set(args.stages) <= set(CONFIGS):
         p.error(f"--stages: unknown {sorted(set(args.stages) - set(CONFIGS))}")
-    args.sub_group_size = int(args.sub_group_size)
     return args
 
 
@@ -332,7 +321,7 @@ def main() -> None:
     log: list[dict] = []
     start = 1
     for name in args.stages:  # a later one holds less per rank: start where the previous one ended
-        if "+" in name and args.start_x and best.get("0"):
+        if name == "3+nvme" and args.start_x and best.get("0"):
             start = depth_for(args.start_x * best["0"].psi, args)
         best[name] = largest(name, start, args, log)
         start = best[name].layers if best[name] else 1

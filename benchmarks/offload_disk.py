@@ -4,9 +4,16 @@ For each mode (none, cpu, nvme) at --nproc gloo ranks, stage 3, fp32 AdamW (fuse
 group per mode: median step time and median `engine.step()` time (where the optimizer streams the
 states), bytes read and written per step per rank (`engine.io_stats()`), the I/O rate this gives
 during `engine.step()`, and per rank: RSS after training, peak RSS (ru_maxrss) and the system's page
-cache growth over the run (/proc/meminfo Cached). Before the runs, the disk's own sequential write
-and read rates are measured on the same directory (pwrite + fdatasync, then pread after
-posix_fadvise(DONTNEED)): the limit the nvme run's I/O rate is compared with.
+cache growth over the run (/proc/meminfo Cached). Before and after the runs, the disk's own
+sequential write and read rates are measured on the same directory (pwrite + fdatasync, then pread
+after posix_fadvise(DONTNEED)); the higher of each is the limit the nvme run is compared with.
+
+The disk's share of its own rate: for each timed step, all ranks' bytes read (r) and written (w) in a
+phase (forward + backward: the parameter shards' reads; `engine.step()`: the optimizer's stream and the
+shards' writes) and the phase's window (first rank's start to last rank's end). The disk needs
+r / read rate + w / write rate seconds for that mix at its sequential rates; its share is that time
+over the window (1.0: the disk ran at its sequential rate throughout). Median over the timed steps;
+also for the whole training step (forward, backward and `engine.step()`; its window starts at a barrier).
 
     python benchmarks/offload_disk.py                      # 2 ranks, width 512, 8 layers
     python benchmarks/offload_disk.py --quick              # smoke test
@@ -73,6 +80,11 @@ def config(mode: str, directory: str, sub_group: int) -> dict:
     return {"zero_optimization": zero}
 
 
+def io_total(engine) -> tuple[int, int]:
+    total = engine.io_stats()["total"]
+    return total["read"], total["written"]
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -84,19 +96,22 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str
                                   config(mode, args.dir, args.sub_group))
     cache_before = page_cache()
     g = torch.Generator().manual_seed(rank)
-    steps, updates, io = [], [], []
+    steps, updates, io, phases = [], [], [], []
     for step in range(args.warmup + args.steps):
         x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
-        start = time.perf_counter()
+        dist.barrier()  # the ranks' phases line up, so the windows below are the ranks' common ones
+        io0, start = io_total(engine), time.time()
         loss = lm_loss(engine(x[:, :-1]), x[:, 1:])
         engine.backward(loss)
-        middle = time.perf_counter()
+        io1, middle = io_total(engine), time.time()
         engine.step()
-        end = time.perf_counter()
+        io2, end = io_total(engine), time.time()
         if step >= args.warmup:
             steps.append(end - start)
             updates.append(end - middle)
             io.append(engine.io_stats()["last_step"])
+            phases.append({"times": (start, middle, end), "fb": (io1[0] - io0[0], io1[1] - io0[1]),
+                           "step": (io2[0] - io1[0], io2[1] - io1[1])})
     stats = engine.memory_stats()
     row = {"mode": mode, "rank": rank, "step_s": statistics.median(steps),
            "update_s": statistics.median(updates),
@@ -106,7 +121,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: str
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            "cache_growth_mib": (page_cache() - cache_before) / MiB,
            "device_mib": stats["device"] / MiB, "host_mib": stats["host"] / MiB,
-           "disk_mib": stats.get("disk", 0) / MiB, "loss": loss.item(), "psi": engine.num_parameters()}
+           "disk_mib": stats.get("disk", 0) / MiB, "loss": loss.item(), "psi": engine.num_parameters(),
+           "phases": phases}
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(row, f)
     del engine
@@ -132,21 +148,39 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir or OUT) as directory:
         args.dir = directory
-        write, read = disk_rate(directory, 512 * MiB if not args.quick else 64 * MiB)
+        probe = 512 * MiB if not args.quick else 64 * MiB
+        rates = [disk_rate(directory, probe)]
         rows = []
         for mode in ("none", "cpu", "nvme"):
             out = os.path.join(OUT, f"offload_disk.{mode}")
             mp.start_processes(worker, args=(args.nproc, free_port(), args, mode, out), nprocs=args.nproc,
                                start_method="spawn")
             rows += [json.load(open(f"{out}.{r}.json")) for r in range(args.nproc)]
-    report(rows, args, write, read)
+        rates.append(disk_rate(directory, probe))
+    report(rows, args, rates)
 
 
-def report(rows: list[dict], args: argparse.Namespace, write: float, read: float) -> None:
+def disk_share(rows: list[dict], phase: str, write: float, read: float) -> dict:
+    """Median over the timed steps of the disk's share of its sequential rate in `phase` (module notes)."""
+    per_step = []
+    for k in range(len(rows[0]["phases"])):
+        steps = [r["phases"][k] for r in rows]
+        a, b = {"fb": (0, 1), "step": (1, 2), "all": (0, 2)}[phase]
+        window = max(s["times"][b] for s in steps) - min(s["times"][a] for s in steps)
+        parts = ("fb", "step") if phase == "all" else (phase,)
+        rd, wr = (sum(s[p][i] for s in steps for p in parts) / MiB for i in (0, 1))
+        need = rd / read + wr / write
+        per_step.append({"read": rd, "written": wr, "window": window, "need": need, "share": need / window})
+    return sorted(per_step, key=lambda x: x["share"])[len(per_step) // 2]
+
+
+def report(rows: list[dict], args: argparse.Namespace, rates: list[tuple[float, float]]) -> None:
+    write, read = max(w for w, _ in rates), max(r for _, r in rates)
     lines = [f"GPT width {args.width}, {args.layers} layers, Ψ = {rows[0]['psi']:,}, {args.nproc} ranks, "
              f"stage 3, fp32 fused AdamW, batch {args.batch} x seq {args.seq}, "
              f"sub_group_size {args.sub_group}",
-             f"disk, sequential, same directory: write {write:,.0f} MiB/s, read {read:,.0f} MiB/s",
+             "disk, sequential, same directory: " + ", ".join(f"write {w:,.0f} MiB/s, read {r:,.0f} MiB/s"
+                                                                for w, r in rates) + " (before, after)",
              f"{'mode':<6}{'step s':>8}{'step() s':>10}{'read MiB':>10}{'written':>9}{'I/O MiB/s':>11}"
              f"{'RSS MiB':>9}{'peak':>8}{'cache +':>9}{'host MiB':>10}{'disk MiB':>10}{'loss':>9}"]
     for mode in ("none", "cpu", "nvme"):
@@ -160,6 +194,14 @@ def report(rows: list[dict], args: argparse.Namespace, write: float, read: float
     lines.append("I/O MiB/s: all ranks' bytes read + written per step / engine.step() time (the step's "
                  "forward/backward reads of parameter shards included); RSS, peak: the largest rank's; "
                  "cache +: system page cache growth over rank 0's run")
+    nvme = [r for r in rows if r["mode"] == "nvme"]
+    lines.append(f"disk offload's share of the disk's sequential rate (write {write:,.0f}, read {read:,.0f} "
+                 "MiB/s: the higher of the two probes), all ranks, median step; need = read / read rate "
+                 "+ written / write rate, share = need / window (target >= 70% during the step):")
+    for phase, name in (("step", "engine.step()"), ("fb", "forward + backward"), ("all", "the whole step")):
+        d = disk_share(nvme, phase, write, read)
+        lines.append(f"  {name:<19} read {d['read']:7.1f} MiB, written {d['written']:7.1f} MiB, need "
+                     f"{d['need']:6.3f} s, window {d['window']:6.3f} s: share {d['share']:6.1%}")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(OUT, "offload_disk.md"), "w") as f:

@@ -411,5 +411,6 @@ class Engine:
         return nvme.io_stats(self.copier.disk if self.copier is not None else None)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        """Ψ: distinct parameters (tied weights once), without padding."""
+        """Ψ: distinct parameters (tied weights once), without padding; under tp, this rank's part
+        (its shards of the split parameters and the replicated ones), which ZeRO shards over dp."""
         return sum(f.layout.numel for f in self.flats if f.trainable or not trainable_only)
