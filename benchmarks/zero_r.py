@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="depth of the side-by-side run")
     p.add_argument("--budget-mib", type=float, default=24.0, help="per-rank device bytes for the search")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--no-search", action="store_true", help="the side-by-side table only")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
     if args.quick:
@@ -146,6 +147,8 @@ def main() -> None:
               f"{r['ckpt_device'] / MiB:>9.2f} {r['ckpt_host'] / MiB:>9.2f} {model / MiB:>8.2f} "
               f"{r['saved'] / MiB:>8.2f} {r['gathers']:>7} "
               f"{r['step_s']:>7.3f}")
+    if args.no_search:
+        return
     lo, hi = (1, 2) if args.quick else (2, 4)
     low = run(lo, args.width, args.batch, args.seq, 2, names)
     high = run(hi, args.width, args.batch, args.seq, 2, names)
