@@ -406,6 +406,13 @@ class Engine:
         extra = {} if self.activations is None else {"activation_all_gather": dict(self.activations.gathers)}
         return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic), **extra}
 
+    def close(self) -> None:
+        """Remove disk offload's files now. They also go when the engine is collected and at
+        interpreter exit; call this where neither runs (a fork-started worker ends with os._exit).
+        The engine cannot train afterwards."""
+        if self.copier is not None and self.copier.disk is not None:
+            self.copier.disk.close()
+
     def io_stats(self) -> dict[str, Any]:
         """Disk offload: bytes read and written in the last step and in total (zeros without it)."""
         return nvme.io_stats(self.copier.disk if self.copier is not None else None)

@@ -47,6 +47,10 @@ def _parity(rank: int, world_size: int, path: str) -> None:
                 state = engine.full_state_dict()
                 assert all(torch.equal(state[k], ref_state[k]) for k in ref_state), what
                 _check_places(engine, what)
+                if name == "both":  # explicitly, while the engine is alive (a worker ending in os._exit)
+                    engine.close()
+                    torch.distributed.barrier()
+                    assert not _files(path), (what, _files(path))
                 del engine
                 gc.collect()  # the engine's teardown removes its files
                 torch.distributed.barrier()  # every rank's
