@@ -149,7 +149,7 @@ class _Checkpoint(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(s or t.requires_grad) if t.is_floating_point() else t
                   for t, s in zip(inputs, ctx.split)]
         devices = [ctx.store.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=ctx.store.device.type), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():  # ([]: the CPU generator only)
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.store.device)
