@@ -17,12 +17,12 @@ from typing import Callable, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten
 
 from .config import ConfigError
 from .construct import materialize_
 from .flat_param import FlatParam, ParamState
+from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
 
@@ -95,18 +95,14 @@ def build_units(module: nn.Module, unit_modules: list[str] | None, group_of: dic
         group_of.update({id(replaced[old]): group_of[old] for old in replaced if old in group_of})
         by_group: dict[tuple[int, bool], NamedParams] = {}  # (group, split over tp) -> its parameters
         for names, p in named_params:
-            key = (group_of.get(id(p), -1), _split_over_tp(p))
+            # Split parameters get buffers of their own: the norm counts them on every tp rank,
+            # replicated ones on one.
+            key = (group_of.get(id(p), -1), split_over_tp(p))
             by_group.setdefault(key, []).append((names, p))
         flats = [new_flat(members, group) for (group, _), members in sorted(by_group.items())]
         if flats:
             units.append(Unit(name, module.get_submodule(name), flats))
     return units
-
-
-def _split_over_tp(p: torch.Tensor) -> bool:
-    """A DTensor sharded over tp gets buffers of its own: the norm counts them on every tp rank,
-    replicated ones on one."""
-    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

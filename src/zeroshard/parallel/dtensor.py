@@ -62,6 +62,11 @@ def spec_of(p: torch.Tensor) -> TpSpec | None:
     return TpSpec(p.device_mesh, placements, p.shape, 0, 0, False)
 
 
+def split_over_tp(p: torch.Tensor) -> bool:
+    """A DTensor sharded over tp (not replicated there)."""
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+
+
 def local_of(p: torch.Tensor) -> torch.Tensor:
     """The tensor a rank computes with: the local shard of a DTensor, else the tensor itself."""
     return p._local_tensor if isinstance(p, DTensor) else p

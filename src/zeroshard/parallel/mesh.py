@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
+from .dtensor import split_over_tp
 
 if TYPE_CHECKING:
     from ..comm import Comm
@@ -87,7 +88,7 @@ def check_parallelized(model: nn.Module, axes: Axes) -> None:
             raise ConfigError(f"'{name}' is a DTensor on ranks {p.device_mesh.mesh.flatten().tolist()}, but "
                               f"this rank's mesh[\"tp\"] is ranks {ranks}: parallelize the model over "
                               f"mesh[\"tp\"] (zeroshard.tensor_parallel(model, mesh[\"tp\"]))")
-    sharded = any(isinstance(pl, Shard) for _, p in dtensors for pl in p.placements)
+    sharded = any(split_over_tp(p) for _, p in dtensors)
     if axes.tp_size > 1 and not sharded:
         raise ConfigError(f"the mesh has tp = {axes.tp_size} but no parameter of the model is split over "
                           f"mesh[\"tp\"]: parallelize it first (zeroshard.tensor_parallel(model, "
