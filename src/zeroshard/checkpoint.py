@@ -258,9 +258,10 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         for name, start, a, b, dim in _slices(flat, lo, hi):
             if dim != meta.get("dims", {}).get(name, 0):  # read it whole, then reorder it (below)
                 reorder[name] = dim
-                wanted.append((flat, name, "whole", 0, a - start, a, b))
+                whole = checkpoint_meta.numel(meta, name)
+                wanted.append((flat, name, "whole", whole, a - start, a, b))
                 for key in keys:
-                    for piece, length in _overlapping(meta, name, 0, checkpoint_meta.numel(meta, name)):
+                    for piece, length in _overlapping(meta, name, 0, whole):
                         request[f"{key}/{name}/{piece}"] = torch.empty(length)
                 continue
             for piece, length in _overlapping(meta, name, start, b - a):
@@ -332,7 +333,6 @@ def _apply(meta, request, wanted, flats, optimizer) -> None:
     with torch.no_grad():
         for flat, name, piece, length, offset, first, end in wanted:
             lo, hi = flat.owned_range()
-            length = length or request[f"param/{name}/{piece}"].numel()
             a, b = max(lo, offset, first), min(hi, offset + length, end)  # in the buffer
             src = slice(a - offset, b - offset)
             dst = slice(a - lo, b - lo)
