@@ -91,7 +91,8 @@ class Engine:
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = Precision.from_config(config)
         offloads = self.precision.offload or self.precision.offload_params
-        self.copier = Copier(comm.device) if offloads else None  # host<->device copies (offload.py)
+        # host<->device copies (offload.py)
+        self.copier = Copier(comm.device, config.delayed_param_update) if offloads else None
         self.scaler = LossScaler(config.scaler)
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)

@@ -21,8 +21,12 @@ Design notes.
 - A gradient is downloaded as soon as its reduction ends on the backward that ends an accumulation
   cycle; `version` (bumped at every reduction) tells whether a later backward changed it since,
   so correctness never depends on when the early copy happened.
-- On a CPU process group host and device are one memory. The same copies then run synchronously,
-  so the CPU tests execute every line here but the stream calls.
+- On a CPU process group host and device are one memory, so the host copies would only duplicate
+  what is already there: `grad` is then the reduced gradient itself and an update is written
+  straight into the shard, with no `staging`. (Disk offload's largest model is set by this: the
+  copy cost a second gradient shard per rank.) Only the delayed parameter update keeps both
+  buffers, because its step reads `grad` on a worker thread while the next backward writes the
+  gradient.
 - Disk offload (nvme/) replaces a host tensor by a file: `disk` is then the rank's store, and the
   master and the shards are made, read and written through the methods below, never by mapping.
 """
@@ -41,8 +45,10 @@ class Copier:
     """One engine's host<->device copies: the side stream (CUDA), pinned allocation, and the
     delayed parameter update's worker thread, which the host gradient buffers must wait for."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, delayed: bool = False) -> None:
+        """delayed: the delayed parameter update is on (the host step overlaps the next backward)."""
         self.device = device
+        self.one_memory = device.type == "cpu" and not delayed  # no copies needed: see the notes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None
         self._update: Future | None = None
@@ -145,8 +151,10 @@ class HostCopies:
                  param_dtype: torch.dtype | None) -> None:
         """param_dtype None: no `staging` (offloaded parameter shards are written on the host)."""
         self.copier = copier
-        self.grad = copier.host_empty(numel, grad_dtype)
-        self.staging = None if param_dtype is None else copier.host_empty(numel, param_dtype)
+        own = not copier.one_memory
+        self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
+        self.staging = copier.host_empty(numel, param_dtype) if own and param_dtype is not None else None
+        self._owned = [t for t in (self.grad, self.staging) if t is not None]
         self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
         self._downloaded: "torch.cuda.Event | None" = None
         self._uploaded: "torch.cuda.Event | None" = None     # for the shard's next reader
@@ -154,10 +162,14 @@ class HostCopies:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.grad, self.staging) if t is not None)
+        """The host buffers this holds (none on one memory: `grad` is then the device's own)."""
+        return sum(t.numel() * t.element_size() for t in self._owned)
 
     def download(self, device_grad: torch.Tensor, version: int) -> None:
         """Start copying the reduced gradient to the host, unless `grad` already holds this version."""
+        if self.copier.one_memory:
+            self.grad = device_grad
+            return
         if version == self._grad_version:
             return
         self.copier.finish_update(raise_error=False)  # the delayed update may still read `grad`
@@ -181,6 +193,9 @@ class HostCopies:
     def upload(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
         """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
         before_device_read() orders the shard's next reader after it."""
+        if self.copier.one_memory:
+            device_shard.copy_(master)
+            return
         if self._staging_read is not None:
             self._staging_read.synchronize()  # the previous upload may still read `staging`
         self.staging.copy_(master)

@@ -57,7 +57,8 @@ def _train(rank: int, world_size: int, config: dict, steps: int | range = STEPS,
 def _expected_places(engine) -> tuple[int, int]:
     """(host bytes, transfer bytes) from the layout alone: the fp32 master and AdamW's two
     moments (12 bytes) per owned element plus a step counter per buffer; the gradient's and the
-    update's host copies; offloaded stage-3 shards in the compute dtype."""
+    update's host copies (none where host and device are one memory and no delayed update reads
+    them on a worker thread); offloaded stage-3 shards in the compute dtype."""
     cfg, dtype = engine.config.zero, engine.precision.param_dtype
     compute, host, transfer = torch.finfo(dtype).bits // 8, 0, 0
     for f in engine.flats:
@@ -67,7 +68,8 @@ def _expected_places(engine) -> tuple[int, int]:
             host += compute * shard
         if f.trainable and cfg.offload_optimizer:
             host += 12 * shard + 4
-            transfer += f.grad_shard.element_size() * shard + (0 if off_params else compute * shard)
+            if not engine.copier.one_memory:
+                transfer += f.grad_shard.element_size() * shard + (0 if off_params else compute * shard)
     return host + transfer, transfer
 
 
@@ -143,6 +145,9 @@ def _delayed(rank: int, world_size: int, stage: int) -> None:
     for p, m in zip(trainable, master):
         close(state[names[id(p)]], m, rtol=1e-5, atol=2e-6, what=f"stage {stage} {names[id(p)]}")
     assert engine.lr_scheduler.last_epoch == STEPS
+    # The worker reads the host gradient while the next backward writes the device's: two buffers.
+    transfer = engine.memory_stats()["transfer"]
+    assert not engine.copier.one_memory and transfer == _expected_places(engine)[1] > 0
     _, plain = _train(rank, world_size, {"zero_optimization": {"stage": stage}})
     assert abs(plain[-1] - losses[-1]) > 1e-3  # the delay is real: without it training differs
 
