@@ -17,7 +17,6 @@ before reading a tensor (integrity.py and checkpoint_meta.py state the invariant
 """
 from __future__ import annotations
 
-import math
 import os
 import pickle
 import shutil
@@ -33,13 +32,15 @@ from .comm import Comm
 from .flat_param import FlatParam
 from .integrity import CheckpointError
 from .memory import on_disk
-from .parallel.dtensor import canonical, from_canonical
+from .parallel.dtensor import from_canonical
 
 LATEST = "latest"
+# Optimizer options that say how a run computes, not what: each run keeps its own on load.
+IMPLEMENTATION_KEYS = {"fused", "foreach", "capturable", "differentiable"}
 
 
 # ---- where each rank's elements are -------------------------------------------------------------
-def _slices(flat: FlatParam, lo: int, hi: int):
+def slices(flat: FlatParam, lo: int, hi: int):
     """(canonical name, start within the whole parameter, [a, b) within the padded buffer, the dim
     laid first) of every parameter's elements that fall in [lo, hi). Under tp the buffer holds a
     shard, which begins at spec.start of the whole parameter (flattened with spec.dim first)."""
@@ -50,7 +51,7 @@ def _slices(flat: FlatParam, lo: int, hi: int):
             yield slot.names[0], base + a - slot.offset, a, b, dim
 
 
-def _whole_shapes(flats: list[FlatParam]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+def whole_shapes(flats: list[FlatParam]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """name -> (the whole parameter's shape, all its names): the shard's, without tp."""
     return {slot.names[0]: (tuple(spec.global_shape) if spec is not None else tuple(slot.shape), slot.names)
             for f in flats for slot, spec in zip(f.layout.slots, f.specs)}
@@ -76,7 +77,7 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         values = flat.owned_values().detach()
         values = values[owned] if values.numel() == flat.layout.padded_numel else values
         opt_state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
-        for name, start, a, b, _ in _slices(flat, *flat.range):
+        for name, start, a, b, _ in slices(flat, *flat.range):
             piece = slice(a - flat.range[0], b - flat.range[0])
             state[f"param/{name}/{start}"] = _stored(values[piece])
             for key, value in opt_state.items():
@@ -132,7 +133,7 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pie
     dims = {slot.names[0]: spec.dim for f in flats for slot, spec in zip(f.layout.slots, f.specs)
             if spec is not None and spec.sharded and spec.dim != 0}
     trainable = sorted(slot.names[0] for f in flats if f.trainable for slot in f.layout.slots)
-    return {"format": checkpoint_meta.FORMAT, "shapes": _whole_shapes(flats),
+    return {"format": checkpoint_meta.FORMAT, "shapes": whole_shapes(flats),
             "starts": {name: sorted(found) for name, found in lengths.items()}, "dims": dims,
             "elementwise": sorted(elementwise), "trainable": trainable, "scalars": scalars,
             "scalars_on_device": on_device, "buffers": list(buffers),
@@ -183,7 +184,7 @@ def _resolve(path: str) -> tuple[str, str | None]:
     return path, parent
 
 
-def _resolve_everywhere(path: str, comm: Comm) -> tuple[str, str | None]:
+def resolve_everywhere(path: str, comm: Comm) -> tuple[str, str | None]:
     """_resolve on every rank, which must agree (a `latest` replaced meanwhile would split them)."""
     try:
         local: Any = _resolve(path)
@@ -230,122 +231,6 @@ def read_meta(path: str, process_group=None, no_dist: bool = False) -> dict[str,
         raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
     checkpoint_meta.check_meta(meta)
     return meta
-
-
-def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm,
-         buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Collective. Fills parameters, optimizer state and buffers; returns the `extra` saved.
-    Every check comes before the first write, and every rank passes or raises the same error."""
-    path, parent = _resolve_everywhere(path, comm)
-    integrity.verify(path, comm, parent)
-    meta = read_meta(path, comm.group)
-    shapes = {name: shape for name, (shape, _) in _whole_shapes(flats).items()}
-    trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
-    checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer.param_groups, _IMPLEMENTATION_KEYS)
-    saved_keys = checkpoint_meta.read_index(path)
-    stored_buffers = {f"buffer/{n}": b.shape for n, b in buffers.items()}
-    checkpoint_meta.check_stored(meta, saved_keys, trainable, stored_buffers)
-    request: dict[str, Any] = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in buffers.items()}
-    if f"rng/{comm.rank}" in saved_keys:
-        request[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
-    if f"rng_cuda/{comm.rank}" in saved_keys and comm.device.type == "cuda":
-        request[f"rng_cuda/{comm.rank}"] = torch.empty_like(torch.cuda.get_rng_state(comm.device))
-    wanted = []  # (flat, name, piece start, piece length, its start in the buffer, [a, b) to fill)
-    reorder: dict[str, int] = {}  # parameters laid out otherwise than saved (tp changed): name -> dim
-    for flat in flats:
-        lo, hi = flat.owned_range()
-        keys = ["param"] + ([f"optim.{k}" for k in meta["elementwise"]] if flat.trainable else [])
-        for name, start, a, b, dim in _slices(flat, lo, hi):
-            if dim != meta.get("dims", {}).get(name, 0):  # read it whole, then reorder it (below)
-                reorder[name] = dim
-                whole = checkpoint_meta.numel(meta, name)
-                wanted.append((flat, name, "whole", whole, a - start, a, b))
-                for key in keys:
-                    for piece, length in _overlapping(meta, name, 0, whole):
-                        request[f"{key}/{name}/{piece}"] = torch.empty(length)
-                continue
-            for piece, length in _overlapping(meta, name, start, b - a):
-                wanted.append((flat, name, piece, length, a - start + piece, a, b))
-                for key in keys:
-                    request[f"{key}/{name}/{piece}"] = torch.empty(length)
-    try:  # reads into fresh tensors: a failure here leaves the engine untouched
-        dcp.load(request, checkpoint_id=path, process_group=comm.group)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"cannot read checkpoint '{path}': {checkpoint_meta.describe(e)}") from None
-    integrity.agree(comm, _invalid_rng(request, comm))  # the last check, before the first write
-    _reorder(meta, request, reorder)
-    _apply(meta, request, wanted, flats, optimizer)
-    with torch.no_grad():
-        for name, b in buffers.items():
-            b.copy_(request[f"buffer/{name}"])
-    if f"rng/{comm.rank}" in request:
-        torch.set_rng_state(request[f"rng/{comm.rank}"])
-    if f"rng_cuda/{comm.rank}" in request:
-        torch.cuda.set_rng_state(request[f"rng_cuda/{comm.rank}"], comm.device)
-    return meta["extra"]
-
-
-def _invalid_rng(request: dict[str, Any], comm: Comm) -> str | None:
-    """Why this rank's saved random state would be refused by torch (tried on a scratch generator)."""
-    try:
-        if f"rng/{comm.rank}" in request:
-            torch.Generator().set_state(request[f"rng/{comm.rank}"])
-        if f"rng_cuda/{comm.rank}" in request:
-            torch.Generator(device=comm.device).set_state(request[f"rng_cuda/{comm.rank}"])
-    except RuntimeError as e:
-        return f"rank {comm.rank}'s saved random state is invalid: {e}"
-    return None
-
-
-def _overlapping(meta: dict[str, Any], name: str, start: int, length: int):
-    """Saved pieces of `name` overlapping [start, start + length): (piece start, piece length)."""
-    starts = sorted(meta["starts"][name])
-    ends = starts[1:] + [math.prod(meta["shapes"][name][0])]
-    for s, e in zip(starts, ends):
-        if s < start + length and e > start:
-            yield s, e - s
-
-
-def _reorder(meta: dict[str, Any], request: dict[str, Any], reorder: dict[str, int]) -> None:
-    """Each parameter in `reorder` ({name: the dim laid first now}), read whole in its saved order,
-    becomes one piece "whole" in the order this run lays it out."""
-    for name, dim in reorder.items():
-        shape, saved_dim = meta["shapes"][name][0], meta.get("dims", {}).get(name, 0)
-        prefixes = {k.rsplit("/", 2)[0] for k in request if k.rsplit("/", 2)[1:2] == [name]}
-        for prefix in prefixes:
-            pieces = [request.pop(f"{prefix}/{name}/{s}") for s in sorted(meta["starts"][name])]
-            whole = from_canonical(torch.cat(pieces), shape, saved_dim)
-            request[f"{prefix}/{name}/whole"] = canonical(whole, dim)
-
-
-def _apply(meta, request, wanted, flats, optimizer) -> None:
-    for flat in flats:
-        if flat.trainable:
-            optimizer.state[flat.opt_param] = {k: torch.zeros_like(flat.master) for k in meta["elementwise"]}
-            on_device = meta.get("scalars_on_device", {}).get(flat.group, [])  # absent: saved on CPU
-            for key, value in meta["scalars"].get(flat.group, {}).items():
-                copy = value.clone() if isinstance(value, torch.Tensor) else value
-                if key in on_device:  # where the optimizer keeps it (fused Adam: beside the params)
-                    copy = copy.to(flat.master.device)
-                optimizer.state[flat.opt_param][key] = copy
-            if not optimizer.state[flat.opt_param]:
-                del optimizer.state[flat.opt_param]
-    with torch.no_grad():
-        for flat, name, piece, length, offset, first, end in wanted:
-            lo, hi = flat.owned_range()
-            a, b = max(lo, offset, first), min(hi, offset + length, end)  # in the buffer
-            src = slice(a - offset, b - offset)
-            dst = slice(a - lo, b - lo)
-            flat.owned_values()[dst].copy_(request[f"param/{name}/{piece}"][src])
-            for key in (meta["elementwise"] if flat.trainable else []):
-                optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-        # Hyperparameters come from the checkpoint; how this run computes them (a fused CPU kernel
-        # over offloaded shards, or not) stays this run's.
-        group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS})
-
-
-_IMPLEMENTATION_KEYS = {"fused", "foreach", "capturable", "differentiable"}
 
 
 # ---- offline ------------------------------------------------------------------------------------

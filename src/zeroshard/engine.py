@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from . import checkpoint, memory, nvme
+from . import checkpoint, checkpoint_load, memory, nvme
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
@@ -339,12 +339,15 @@ class Engine:
         for flat in self.flats:
             flat.await_host_read()  # an offloaded shard is written in place
         with torch.no_grad(), self.comm.outside_step():
-            extra = checkpoint.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
-                                    self._buffers)
+            extra = checkpoint_load.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
+                                         self._buffers)
+            disk = self.copier.disk if self.copier is not None else None
             for flat in self.flats:
                 flat.zero_grad()
                 if flat.trainable:
-                    flat.write_back()
+                    flat.write_back()  # with disk offload, reads the master's file through its map ...
+                    if disk is not None:
+                        disk.drop_pages([flat.master])  # ... whose pages go, one buffer at a time
                 elif flat.policy.shard_params and flat.persistent:
                     flat.gather_into_full()
             for flat in self.flats:

@@ -73,3 +73,55 @@ def test_resume_at_another_world_size_with_disk_offload_on_one_side(tmp_path):
     spawn(_save, 3, 1, str(resumed), None)  # saved in memory at N=3, stage 1 ...
     spawn(_resume, 2, 3, str(resumed), str(disk))  # ... resumed into files at N=2, stage 3
     assert not os.listdir(disk)
+
+
+def _streamed(rank: int, world_size: int, directory: str, disk: str) -> None:
+    """With states on disk, a load reads one flat buffer's pieces at a time and writes the
+    optimizer state straight into its files: memory never holds the rank's whole state."""
+    from zeroshard import checkpoint_load
+    from zeroshard.memory import on_disk
+    engine = _engine(3, 0, disk)
+    _train(engine, rank, world_size, range(FIRST))
+    engine.save_checkpoint(os.path.join(directory, "ckpt"))
+    expected = engine.full_state_dict()
+    reads: list[int] = []
+    real_read = checkpoint_load._read
+
+    def counted(path, comm, request):
+        reads.append(sum(t.numel() * t.element_size() for t in request.values() if torch.is_tensor(t)))
+        return real_read(path, comm, request)
+
+    checkpoint_load._read = counted
+    try:
+        loaded = _engine(3, 1234, disk)
+        loaded.load_checkpoint(os.path.join(directory, "ckpt"))
+        assert len(reads) == len(loaded.flats) > 3, reads  # one read per flat buffer ...
+        assert max(reads) < sum(reads) / 2, reads  # ... so never the whole state at once
+        states = [v for f in loaded.flats if f.trainable for v in loaded.optimizer.state[f.opt_param].values()
+                  if torch.is_tensor(v) and v.dim() > 0]
+        assert states and all(on_disk(v) for v in states)  # no in-memory copy waiting for a step
+        assert all(torch.equal(v, expected[k]) for k, v in loaded.full_state_dict().items())
+        # A read failing after the checks (files verified, then unreadable) says what it left.
+        calls = []
+
+        def failing(path, comm, request):
+            calls.append(1)
+            if len(calls) == 2:
+                raise zeroshard.CheckpointError("cannot read checkpoint: injected")
+            return real_read(path, comm, request)
+
+        checkpoint_load._read = failing
+        try:
+            loaded.load_checkpoint(os.path.join(directory, "ckpt"))
+            raise AssertionError("the injected read failure was not raised")
+        except zeroshard.CheckpointError as e:
+            assert "partly loaded" in str(e) and "load a checkpoint again" in str(e), e
+    finally:
+        checkpoint_load._read = real_read
+
+
+def test_a_load_into_files_streams_one_buffer_at_a_time(tmp_path):
+    disk = tmp_path / "nvme"
+    disk.mkdir()
+    spawn(_streamed, 2, str(tmp_path), str(disk))
+    assert not os.listdir(disk)

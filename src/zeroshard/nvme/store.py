@@ -69,6 +69,12 @@ class DiskStore:
         self._maps[path] = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
         return self.tensor(path, dtype)
 
+    def state_tensor(self, master: torch.Tensor, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Optimizer state `key` of the shard whose master rests in the file `master`: its own file
+        beside it (made zero-filled on first use, the same file afterwards)."""
+        name = f"{os.path.basename(self.path_of(master)).removesuffix('.master')}.{key}"
+        return self.new_tensor("optimizer", name, master.numel(), dtype or master.dtype)
+
     def tensor(self, path: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(0, dtype=dtype).set_(self._maps[path])
 
@@ -126,9 +132,13 @@ class DiskStore:
         os.posix_fadvise(fd, start, t.numel() * t.element_size(), os.POSIX_FADV_DONTNEED)
         self._count("written", t.numel() * t.element_size())
 
-    def drop_pages(self) -> None:
-        """Unmap and drop what readers outside the step (a checkpoint, state_dict) paged in."""
-        for path, storage in self._maps.items():
+    def drop_pages(self, only: list[torch.Tensor] | None = None) -> None:
+        """Unmap and drop what readers outside the step (a checkpoint, state_dict) paged in or
+        wrote: in every file, or in the files behind `only` (tensors the store does not own are
+        skipped)."""
+        paths = self._maps if only is None else {self.path_of(t) for t in only if self.owns(t)}
+        for path in paths:
+            storage = self._maps[path]
             if self._libc is not None:
                 self._libc.madvise(ctypes.c_void_p(storage.data_ptr()), ctypes.c_size_t(storage.nbytes()),
                                    _MADV_DONTNEED)  # a dirty page's data goes to the page cache, kept

@@ -16,7 +16,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
@@ -66,8 +65,7 @@ class SubGroupStream:
         """`value` (state `key` of the shard whose master file is `master`), resting in its file."""
         if self.store.owns(value):
             return value
-        name = f"{os.path.basename(self.store.path_of(master)).removesuffix('.master')}.{key}"
-        home = self.store.new_tensor("optimizer", name, value.numel(), value.dtype)
+        home = self.store.state_tensor(master, key, value.dtype)
         self.store.write(home, value)
         return home
 
