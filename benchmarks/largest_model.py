@@ -77,7 +77,8 @@ def zero_config(name: str, args: argparse.Namespace, nvme_dir: str | None) -> di
         zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     elif offload == "nvme":
         disk = {"device": "nvme", "nvme_path": nvme_dir}
-        zero.update(sub_group_size=int(args.sub_group_size), offload_param=disk,
+        # max_in_cpu 0: no host cache of parameter shards (its default would hold them all in memory)
+        zero.update(sub_group_size=int(args.sub_group_size), offload_param={**disk, "max_in_cpu": 0},
                     offload_optimizer={**disk, "buffer_count": args.buffer_count})
     return {"zero_optimization": zero}
 

@@ -197,3 +197,4 @@ def _apply(meta: dict[str, Any], plan: _Plan, optimizer: torch.optim.Optimizer) 
     if store is not None:
         state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
         store.drop_pages([flat.owned_values(), *state.values()])
+        store.cache.clear()  # a frozen shard was written through its map, not write_shard()

@@ -52,10 +52,13 @@ def on_disk(t: torch.Tensor | None) -> bool:
     return t is not None and t.device.type == "cpu" and t.untyped_storage().filename is not None
 
 
-def _stream_buffers(flats: list[FlatParam]) -> int:
-    """The host buffers disk offload's optimizer step streams through (nvme/stream.py)."""
+def _disk_buffers(flats: list[FlatParam]) -> int:
+    """Disk offload's host memory: the buffers its optimizer step streams through (nvme/stream.py)
+    and the parameter shards cached (nvme/cache.py)."""
     disk = next((f.copier.disk for f in flats if f.copier is not None and f.copier.disk is not None), None)
-    return disk.stream.nbytes if disk is not None and disk.stream is not None else 0
+    if disk is None:
+        return 0
+    return (disk.stream.nbytes if disk.stream is not None else 0) + disk.cache.nbytes
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -94,7 +97,7 @@ def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, modul
     # on the process group's device (which, on a CPU group, is host memory too).
     states = (v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
     stats["disk"] = held["disk"] + tensor_bytes(v for v in states if on_disk(v))
-    stats["transfer"] = held["transfer"] + _stream_buffers(flats)
+    stats["transfer"] = held["transfer"] + _disk_buffers(flats)
     stats["host"] = stats["offloaded"] + held["params_on_host"] + stats["transfer"] - stats["disk"]
     stats["device"] = stats["model_states"] + stats["buffers"] + stats["temporary"] \
         - stats["offloaded"] - held["params_on_host"]

@@ -86,14 +86,14 @@ class Copier:
         """own <- an offloaded shard (a file is read into it; host memory is copied, asynchronously
         from pinned memory)."""
         if self.disk is not None and self.disk.owns(shard):
-            self.disk.read(shard, own)
+            self.disk.read_shard(shard, own)
         else:
             own.copy_(shard, non_blocking=True)
 
     def shard_down(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         """An offloaded shard <- values (the updated master, in the shard's dtype)."""
         if self.disk is not None and self.disk.owns(shard):
-            self.disk.write(shard, values)
+            self.disk.write_shard(shard, values)
         else:
             shard.copy_(values)
 

@@ -79,6 +79,34 @@ def test_disk_offload_matches_training_in_memory(tmp_path, world_size):
     assert not os.listdir(tmp_path)  # no file, and no run directory, left behind
 
 
+def _cache(rank: int, world_size: int, path: str) -> None:
+    """offload_param.max_in_cpu: shards kept in host memory spare their reads and change no bit,
+    whether everything fits or the least recently used shards are evicted."""
+    def run(max_in_cpu: int):
+        zero = {"stage": 3, **nvme(path, optimizer=False, params=True)}
+        zero["offload_param"]["max_in_cpu"] = max_in_cpu
+        engine, losses = _train(rank, world_size, {"zero_optimization": zero, "bf16": {"enabled": True}})
+        return engine, losses, engine.full_state_dict(), engine.io_stats(), engine.memory_stats()
+
+    plain, plain_losses, plain_state, plain_io, plain_stats = run(0)
+    shards = [f.shard.numel() for f in plain.flats if f.shard_on_host]
+    assert plain_io["cache_hits"] == plain_io["cached"] == 0 and len(shards) > 2
+    del plain
+    for capacity in (10**9, max(shards) + 1):  # all of them; one at a time, evicting
+        engine, losses, state, io, stats = run(capacity)
+        assert losses == plain_losses and all(torch.equal(state[k], v) for k, v in plain_state.items())
+        assert io["cache_hits"] > 0 and io["total"]["read"] < plain_io["total"]["read"], (io, plain_io)
+        assert 0 < io["cached"] <= 2 * capacity  # bf16: 2 bytes per element
+        assert stats["transfer"] == plain_stats["transfer"] + io["cached"]
+        del engine
+        gc.collect()
+
+
+def test_cached_shards_spare_reads_and_change_nothing(tmp_path):
+    spawn(_cache, 2, str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
 def _census(rank: int, world_size: int, path: str) -> None:
     """From outside the library: a census of every live tensor storage, split into anonymous memory
     and file-backed maps, and the process's resident file pages. With the states on disk, memory

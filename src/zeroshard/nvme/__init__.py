@@ -3,7 +3,8 @@
 `offload_optimizer: {"device": "nvme"}` (stages 1-3) keeps each fp32 master shard and its
 elementwise optimizer states in files; the step streams them sub-group by sub-group through
 `buffer_count` host buffers (stream.py). `offload_param: {"device": "nvme"}` (stage 3) keeps each
-parameter shard in a file, read into the unit's buffer by its all-gather and written by the step.
+parameter shard in a file, read into the unit's buffer by its all-gather and written by the step;
+up to `max_in_cpu` elements of shards stay cached in host memory (cache.py).
 Both build on the host offload (offload.py): the same copies, with the host copy replaced by a file.
 
 Invariant: open_store() is the only place that creates the directories, after every check
@@ -20,6 +21,7 @@ from torch import nn
 from ..comm import Comm
 from ..config import Config
 from . import rundir
+from .cache import ShardCache
 from .rundir import set_free_space_probe
 from .store import DiskStore
 from .stream import SubGroupStream, stream_groups
@@ -71,6 +73,7 @@ def open_store(config: Config, comm: Comm, module: nn.Module, probe: torch.optim
     if nv.params:
         dirs["param"] = paths[nv.param_path]
     store = DiskStore(dirs, nv.aio.get("block_size", 1 << 30))
+    store.cache = ShardCache(nv.max_in_cpu if nv.params else 0)
     if nv.optimizer:
         store.stream = SubGroupStream(store, nv.buffer_count, host_empty, nv.aio.get("thread_count", 1))
     return store
@@ -87,5 +90,6 @@ def io_stats(store: DiskStore | None) -> dict[str, Any]:
     ended, the forward and backward's parameter reads included) and in total."""
     if store is None:
         zero = {"read": 0, "written": 0}
-        return {"last_step": dict(zero), "total": dict(zero), "files": 0, "file_bytes": 0, "buffers": 0}
+        return {"last_step": dict(zero), "total": dict(zero), "files": 0, "file_bytes": 0, "buffers": 0,
+                "cached": 0, "cache_hits": 0, "cache_misses": 0}
     return store.stats()

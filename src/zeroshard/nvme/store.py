@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import rundir
+from .cache import ShardCache
 
 _MADV_DONTNEED = 4
 _CHUNK = 1 << 30  # one pread/pwrite moves at most this much (Linux moves < 2 GiB per call)
@@ -50,6 +51,7 @@ class DiskStore:
         self._libc = _libc()
         self.closed = False
         self.stream: Any = None  # the optimizer step's sub-group stream (stream.py), made on first use
+        self.cache = ShardCache(0)  # parameter shards kept in host memory (offload_param.max_in_cpu)
 
     # ---- files as tensors ------------------------------------------------------------------------
     def new_tensor(self, kind: str, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -132,6 +134,19 @@ class DiskStore:
         os.posix_fadvise(fd, start, t.numel() * t.element_size(), os.POSIX_FADV_DONTNEED)
         self._count("written", t.numel() * t.element_size())
 
+    def read_shard(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """out <- a parameter shard: from the host cache if it holds it, else from its file (and
+        then kept in the cache, room permitting)."""
+        key = (self.path_of(t), t.storage_offset())
+        if not self.cache.read_into(key, out):
+            self.read(t, out)
+            self.cache.keep(key, out)
+
+    def write_shard(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """A parameter shard <- values: its file, and its cached copy if there is one."""
+        self.write(t, values)
+        self.cache.refresh((self.path_of(t), t.storage_offset()), values)
+
     def drop_pages(self, only: list[torch.Tensor] | None = None) -> None:
         """Unmap and drop what readers outside the step (a checkpoint, state_dict) paged in or
         wrote: in every file, or in the files behind `only` (tensors the store does not own are
@@ -164,7 +179,9 @@ class DiskStore:
         with self._lock:
             return {"last_step": dict(self.last_step), "total": dict(self.total),
                     "files": len(self._maps), "file_bytes": self.file_bytes(),
-                    "buffers": self.stream.nbytes if self.stream is not None else 0}
+                    "buffers": self.stream.nbytes if self.stream is not None else 0,
+                    "cached": self.cache.nbytes, "cache_hits": self.cache.hits,
+                    "cache_misses": self.cache.misses}
 
     # ---- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
