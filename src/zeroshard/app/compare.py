@@ -2,8 +2,9 @@
 each ZeRO stage, reported side by side (the seed replication's experiment).
 
 Every run starts a fresh set of ranks. Runs are interleaved in rounds (DDP, stage 0, ..., stage 3,
-then again), and each time shown is the median over rounds of that run's median step: a machine that
-slows down for a while slows every implementation alike instead of whichever ran then. Memory is
+then again), and each time shown is the median over rounds of that run's median step. The ratio to
+the baseline is the median over rounds of each round's own ratio: a machine that slows down for a
+while slows a round's runs alike, and that round's ratio keeps little of it. Memory is
 shown where ZeRO's saving is visible: model-state bytes per rank beside the paper's formula, and peak
 resident memory *above the process's own baseline* (taken before the model is built; the runtime
 alone is ~450 MiB), plus the GPU's peak allocation on cuda.
@@ -32,8 +33,9 @@ def compare(args: TrainArgs, stages: list[int], rounds: int = 3) -> list[dict[st
                 args, stage=stage, ddp=ddp, quiet=True, sample_tokens=0, resume=False,
                 out=os.path.join(args.out, name.replace(" ", "")))))
     rows = [_row(name, stage, results[name], args) for name, stage, _ in runs]
-    for row in rows:
-        row["vs_baseline"] = row["step_ms"] / rows[0]["step_ms"]
+    base = rows[0]["step_ms_each"]
+    for row in rows:  # paired by round: a round that ran slow is slow for the baseline too
+        row["vs_baseline"] = statistics.median(t / b for t, b in zip(row["step_ms_each"], base))
     print(comparison_table(rows, rounds, baseline, args.device == "cuda"))
     chart = os.path.join(args.out, "compare.png")
     plot_comparison(rows, chart)

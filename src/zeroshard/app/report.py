@@ -76,7 +76,8 @@ def plot_comparison(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cuda: bool) -> str:
-    """step: the median over rounds of each run's median step; x: that over the baseline's.
+    """step: the median over rounds of each run's median step; x: the median over rounds of its
+    ratio to the baseline's run in the same round.
     states: model-state bytes per rank (paper: the formula); RSS+: peak RSS above the process's
     baseline before the model was built; GPU: peak allocated on the GPU."""
     columns = [("run", 9, lambda r: r["name"]), ("step ms", 9, lambda r: f"{r['step_ms']:.1f}"),
