@@ -1,6 +1,7 @@
 """Run a function on N local ranks (gloo, one thread each) and surface the first failure."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from datetime import timedelta
@@ -26,9 +27,20 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
         dist.barrier()  # gloo can abort at exit if one rank tears down while a peer still talks
     finally:
         dist.destroy_process_group()
+        # End as a spawned process would: a forked one leaves by os._exit, skipping the exit
+        # handlers (weakref finalizers among them: an engine's disk-offload files go there).
+        atexit._run_exitfuncs()
+
+
+# Ranks start from a fork server that has imported torch and zeroshard once, rather than each
+# rank importing them afresh (the suite is CPU-bound on CI's 2 cores, and those imports were a
+# large share of it). The server imports and never runs anything, so no thread or process group
+# is forked; each rank is a fresh process with its own. (Its environment is the server's, from
+# the first spawn on: a test that must change a rank's environment passes it as an argument.)
+mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
 
 
 def spawn(fn, world_size: int, *args) -> None:
     """fn(rank, world_size, *args) on every rank; raises if any rank raises (others are stopped)."""
     mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                       join=True, start_method="spawn")
+                       join=True, start_method="forkserver")
