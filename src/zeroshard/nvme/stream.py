@@ -11,8 +11,9 @@ Invariants:
 - A buffer is reused only after its write has completed; every write has completed when the step
   ends (or fails), so the files are current whenever code outside the step reads them.
 - A failed sub-group's buffer is not written back: its files keep the values from before the step.
-- Optimizer state that is not in a file yet (created by the first step, or put back by a
-  checkpoint load) is written to its own file when its sub-group is next stepped, and then rests there.
+- Optimizer state that is not in a file yet (created by the first step) is written to its own
+  file when its sub-group is next stepped, and then rests there. (A checkpoint load creates the
+  state in its files directly: checkpoint_load.py.)
 """
 from __future__ import annotations
 
