@@ -163,9 +163,9 @@ def _fresh_state(meta: dict[str, Any], flat: FlatParam, optimizer: torch.optim.O
     store = _store(flat)
     on_disk = store is not None and store.owns(flat.master)
     state: dict[str, Any] = {}
-    for key in meta["elementwise"]:
-        value = store.state_tensor(flat.master, key) if on_disk else torch.zeros_like(flat.master)
-        state[key] = value.zero_() if on_disk else value
+    for key in meta["elementwise"]:  # in its file (the one the step streams) when the master is in one
+        state[key] = store.state_tensor(flat.master, key).zero_() if on_disk else \
+            torch.zeros_like(flat.master)
     on_device = meta.get("scalars_on_device", {}).get(flat.group, [])  # absent: saved on CPU
     for key, value in meta["scalars"].get(flat.group, {}).items():
         copy = value.clone() if isinstance(value, torch.Tensor) else value

@@ -154,7 +154,6 @@ class HostCopies:
         own = not copier.one_memory
         self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
         self.staging = copier.host_empty(numel, param_dtype) if own and param_dtype is not None else None
-        self._owned = [t for t in (self.grad, self.staging) if t is not None]
         self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
         self._downloaded: "torch.cuda.Event | None" = None
         self._uploaded: "torch.cuda.Event | None" = None     # for the shard's next reader
@@ -163,7 +162,9 @@ class HostCopies:
     @property
     def nbytes(self) -> int:
         """The host buffers this holds (none on one memory: `grad` is then the device's own)."""
-        return sum(t.numel() * t.element_size() for t in self._owned)
+        if self.copier.one_memory:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.grad, self.staging) if t is not None)
 
     def download(self, device_grad: torch.Tensor, version: int) -> None:
         """Start copying the reduced gradient to the host, unless `grad` already holds this version."""
