@@ -37,11 +37,13 @@ KIND = {name: next((k for k in ("all_reduce", "all_gather", "reduce_scatter", "a
         for name in COUNTED}
 
 
-def by_kind(counts: Counter) -> dict[str, int]:
-    """Bytes per collective kind, from wiretap's per-function counts (kinds with no bytes left out)."""
+def by_kind(counts: Counter, all_to_all_reduces: bool = False) -> dict[str, int]:
+    """Bytes per collective kind, from wiretap's per-function counts (kinds with no bytes left out).
+    all_to_all_reduces: count all_to_all_single as a reduce-scatter of its input (zeroshard's on
+    gloo: every rank's slices, summed on arrival; the same bytes per rank as a ring reduce-scatter)."""
     out: Counter = Counter()
     for name, nbytes in counts.items():
-        out[KIND[name]] += nbytes
+        out["reduce_scatter" if all_to_all_reduces and name == "all_to_all_single" else KIND[name]] += nbytes
     return dict(+out)
 
 

@@ -35,6 +35,39 @@ def _reduce_scatter_flat(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
+class _SumOnArrival:
+    """A reduce-scatter done as an all-to-all plus a local sum, behind dist.Work's interface.
+
+    Why: gloo's reduce_scatter is ~3x slower than its all_to_all (3.3 MB over 2 ranks: 5.4 ms
+    against 1.8 ms here) and ignores wait()'s timeout. The all-to-all sends each rank its slice of
+    every rank's buffer, the same (N-1)/N of the buffer per rank a ring reduce-scatter sends; the
+    first wait() sums the N received slices, in rank order, into the output."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, output: torch.Tensor, ranks: int) -> None:
+        self.work, self.received, self.output, self.ranks = work, received, output, ranks
+
+    def wait(self, timeout=None) -> bool:
+        if self.work is not None:
+            self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+            torch.sum(self.received.view(self.ranks, -1), dim=0, out=self.output)
+            self.work = self.received = None  # the receive buffer is freed as soon as it is summed
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+def _all_to_all_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, ranks: int,
+                               async_op: bool) -> _SumOnArrival | None:
+    received = torch.empty_like(full)
+    work = _SumOnArrival(dist.all_to_all_single(received, full, group=group, async_op=True), received,
+                         output, ranks)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 Work = Optional[dist.Work]  # a handle to wait on (async_op=True), else None
 
 
@@ -140,6 +173,10 @@ class Comm:
         """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
         With async_op, returns a handle to wait on; `full` must stay alive until then."""
         self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
+        if self.device.type == "cpu":  # gloo: see _SumOnArrival; the receive buffer is one more `full`
+            self._staged(full)
+            return self._issue("reduce_scatter", full, bucket, async_op, lambda a: _all_to_all_reduce_scatter(
+                output, full, self.group, self.world_size, a))
         return self._issue("reduce_scatter", full, bucket, async_op,
                            lambda a: _reduce_scatter_flat(output, full, group=self.group, async_op=a))
 

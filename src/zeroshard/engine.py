@@ -399,7 +399,7 @@ class Engine:
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
         the moments they peak: after each unit is gathered and when a buffer's gradient is complete."""
-        now = sum(memory.buffer_bytes(f)["temporary"] for f in self.flats)
+        now = sum(map(memory.temporary_bytes, self.flats))
         self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:

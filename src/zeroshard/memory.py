@@ -22,24 +22,31 @@ def _inflight_bytes(flat: FlatParam) -> int:
                if keep.untyped_storage().data_ptr() != persistent)
 
 
+def temporary_bytes(flat: FlatParam) -> int:
+    """The temporaries alive now: a gathered buffer (stage 3), a full-size gradient (stages 2-3),
+    inputs of reductions in flight. (Sampled after every gather: kept to a few attribute reads.)"""
+    gathered = flat.policy.shard_params and not flat.persistent and flat.state is not ParamState.SHARDED
+    return (_nbytes(flat.full) if gathered else 0) \
+        + (_nbytes(flat.grad_full) if flat.policy.shard_grads else 0) \
+        + (_inflight_bytes(flat) if flat.inflight else 0)
+
+
 def buffer_bytes(flat: FlatParam) -> dict[str, int]:
     """One flat buffer's bytes by category: lasting params / grads / master copy, and the
-    temporaries alive now (a gathered buffer, a full-size gradient, inputs of reductions in flight)."""
+    temporaries alive now (temporary_bytes)."""
     sharded_g = flat.policy.shard_grads
     if not flat.policy.shard_params:
-        params, gathered_temp = _nbytes(flat.full), 0
+        params = _nbytes(flat.full)
     elif flat.persistent:  # stage 3 below the persistence threshold: shard and full both kept
-        params, gathered_temp = _nbytes(flat.shard) + _nbytes(flat.full), 0
+        params = _nbytes(flat.shard) + _nbytes(flat.full)
     else:
         params = _nbytes(flat.shard)
-        gathered_temp = _nbytes(flat.full) if flat.state is not ParamState.SHARDED else 0
     separate = flat.trainable and flat.precision.separate_master
     return {
         "params": params,
         "grads": _nbytes(flat.grad_shard) if sharded_g else _nbytes(flat.grad_full),
         "master": _nbytes(flat.master) if separate else 0,
-        "temporary": gathered_temp + (_nbytes(flat.grad_full) if sharded_g else 0)
-        + _inflight_bytes(flat),
+        "temporary": temporary_bytes(flat),
         "transfer": flat.host.nbytes if flat.host is not None else 0,  # offload's host buffers
         "params_on_host": _nbytes(flat.shard) if flat.shard_on_host else 0,
         "disk": (_nbytes(flat.master) if separate and on_disk(flat.master) else 0)
