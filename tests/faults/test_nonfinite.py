@@ -47,3 +47,27 @@ def _runs(rank: int, world_size: int, action: str, cases: list[tuple[int, float]
                                           ("skip", [(1, 0.0), (3, 1.0)])])
 def test_nonfinite_gradient_is_raised_or_skipped_on_every_rank(action: str, cases) -> None:
     spawn(_runs, 2, action, cases)
+
+
+def _one_bad_element(rank: int, world_size: int) -> None:
+    """An inf in one element of one parameter's gradient on one rank (no clipping: the flag's
+    per-buffer sums decide), then finite elements whose sum overflows fp32 (so would Adam's g²)."""
+    for value, expected in ((float("inf"), "parameter 'blocks.1.down.weight' (element 3: inf"),
+                            (3e38, "no gradient element is (their norm or sum overflowed)")):
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(TinyGPT(d=16, layers=2), lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                      {"zero_optimization": {"stage": 2}})
+        target = dict(engine.module.named_parameters())["blocks.1.down.weight"]
+        if rank == 1:
+            target.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([3]), value).view_as(g)
+                                 if value == float("inf") else torch.full_like(g, value))
+        x, y = rank_batch(rank, world_size)
+        engine.backward(loss_fn(engine(x), y))
+        with pytest.raises(NonFiniteError) as caught:
+            engine.step()
+        message = str(caught.value)
+        assert "step 0: non-finite gradient" in message and expected in message, message
+
+
+def test_one_inf_element_or_an_overflowing_sum_is_found() -> None:
+    spawn(_one_bad_element, 2)
