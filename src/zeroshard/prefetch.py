@@ -37,8 +37,10 @@ class UnitOrder:
         self.current.append(unit)
         unit.set_progress(UnitProgress.RAN_FORWARD)
         self._backward_at = len(self.current)
-        unit.gather()
+        if self.enabled:  # issue this unit's all-gather and the next one's, then wait for this one:
+            unit.prefetch()  # the next gather overlaps this wait (the first unit's, after a step)
         self._prefetch(self.previous[len(self.current):])
+        unit.gather()
         self.on_gather()
 
     def backward_starts_with(self, unit: Unit) -> bool:
@@ -50,9 +52,11 @@ class UnitOrder:
             and self.previous[-1] is unit
 
     def before_backward(self, unit: Unit) -> None:
-        unit.gather()
+        if self.enabled:
+            unit.prefetch()  # as in forward: the predecessor's gather is issued before this wait
         if not unit.is_root:  # the root's outputs are the model's: its hook fires first
             self._advance_to(unit)
+        unit.gather()
         self.on_gather()
 
     def _prefetch(self, upcoming: list[Unit]) -> None:
