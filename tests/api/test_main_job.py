@@ -53,14 +53,16 @@ def test_train_resume_and_consolidate(tmp_path):
 def test_compare_reports_every_stage_against_ddp(tmp_path):
     out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3", "--rounds", "2",
                     "--out", str(tmp_path)).stdout
-    order = [line.split(": ")[1] for line in out.splitlines() if line.startswith("round ")]
-    assert order == ["ddp ...", "stage 1 ...", "stage 3 ..."] * 2  # interleaved rounds
+    rounds = [line for line in out.splitlines() if line.startswith("round ")]
+    assert rounds == [f"round {i}/2: ddp, stage 1, stage 3, side by side ..." for i in (1, 2)]
+    alone = [line for line in out.splitlines() if line.startswith("alone: ")]
+    assert alone == [f"alone: {name} (memory, loss) ..." for name in ("ddp", "stage 1", "stage 3")]
     rows = {line.split()[0] + (line.split()[1] if line.startswith("stage") else ""): line.split()
             for line in out.splitlines() if line.startswith(("ddp", "stage "))}
     assert set(rows) == {"ddp", "stage1", "stage3"}
-    assert rows["ddp"][2] == "1.00" and "in each of 2 interleaved round(s)" in out
+    assert rows["ddp"][2] == "1.00" and "in each of 2 round(s), side by side" in out
     each = {r.split()[0]: [float(t) for t in r.split()[1].split("/")]
-            for r in out.split("round(s): ")[1].splitlines()[0].split("; ") if r.startswith("ddp")}
+            for r in out.split("side by side: ")[1].splitlines()[0].split("; ") if r.startswith("ddp")}
     assert float(rows["ddp"][1]) == pytest.approx(sorted(each["ddp"])[0] / 2 + sorted(each["ddp"])[1] / 2,
                                                   abs=0.06)  # the median over rounds
     assert os.path.getsize(tmp_path / "compare.png") > 10_000

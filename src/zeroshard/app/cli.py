@@ -85,8 +85,9 @@ def _compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3],
                    help="ZeRO stages to run (default 0 1 2 3)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each running every implementation once in turn; times are the median "
-                        "over rounds, so machine noise hits every implementation alike (default 3)")
+                   help="rounds: worlds in which every implementation is built and they train side by "
+                        "side, one step each in turn, so machine noise hits them alike; times are the "
+                        "median over rounds (default 3). Memory and loss: one run of each alone")
     _add_training_options(p, steps=30)
 
 

@@ -76,8 +76,9 @@ def plot_comparison(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cuda: bool) -> str:
-    """step: the median over rounds of each run's median step; x: the median over rounds of its
-    ratio to the baseline's run in the same round.
+    """step: the median over rounds of each round's median step (every implementation side by side
+    in one world per round); x: the median over every step of its ratio to the baseline's step in
+    the same turn.
     states: model-state bytes per rank (paper: the formula); RSS+: peak RSS above the process's
     baseline before the model was built; GPU: peak allocated on the GPU."""
     columns = [("run", 9, lambda r: r["name"]), ("step ms", 9, lambda r: f"{r['step_ms']:.1f}"),
@@ -96,6 +97,6 @@ def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cud
         lines.append(f"{cells[0]:<{columns[0][1]}}" + "".join(f" {c:>{w}}" for c, (_, w, _)
                                                              in zip(cells[1:], columns[1:])))
     each = "; ".join(f"{r['name']} " + "/".join(f"{t:.1f}" for t in r["step_ms_each"]) for r in rows)
-    lines.append(f"step ms in each of {rounds} interleaved round(s): {each}")
+    lines.append(f"step ms in each of {rounds} round(s), side by side: {each}")
     lines.append("RSS+ = peak resident memory above the process's own before the model was built")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -102,9 +102,10 @@ def compile_blocks(model: nn.Module) -> None:
                 block.compile()
 
 
-def launch(args: TrainArgs) -> dict[str, Any]:
-    """Run `worker` on args.nproc local ranks, restarting them all up to args.max_restarts times
-    after one fails; returns rank 0's results (of the attempt that finished)."""
+def launch(args: TrainArgs, target: Callable[..., Any] | None = None, *more: Any) -> Any:
+    """Run `target(args, *more)` (default: `worker`) on args.nproc local ranks, restarting them all
+    up to args.max_restarts times after one fails; returns rank 0's result (of the attempt that
+    finished)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     drill_target()  # a malformed drill variable fails here, once, not in every rank
     args = replace(args, run_id=new_run_id())  # a fresh id per call, even for reused args
@@ -116,16 +117,11 @@ def launch(args: TrainArgs) -> dict[str, Any]:
                           rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=args.max_restarts,
                           monitor_interval=0.2)
     with store_per_attempt():
-        return elastic_launch(config, worker)(args)[0]
+        return elastic_launch(config, target or worker)(args, *more)[0]
 
 
-def worker(args: TrainArgs) -> dict[str, Any]:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    # From the launcher's variables (initialize would, DDP does not), on the backend asked for.
-    zeroshard.ensure_process_group(backend="nccl" if args.device == "cuda" else "gloo")
-    rss_before = _peak_rss()  # the runtime's own memory, before any model exists
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+def build_engine(args: TrainArgs):
+    """Collective. The model from args.seed, trained by DDP (args.ddp) or by a ZeRO engine."""
     torch.manual_seed(args.seed)
     mesh = None
     if args.tp > 1:  # built whole, then split over tp by its own plan (torch's parallelize_module)
@@ -141,8 +137,18 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     # Over host shards (offload), torch's fused CPU kernel is several times faster than foreach.
     fused = not args.ddp and zeroshard.Config.load(args.engine_config()).zero.offload_optimizer
     make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1, fused=fused or None)  # noqa: E731
-    engine = DDPBaseline(model, make_opt, args.device) if args.ddp else \
+    return DDPBaseline(model, make_opt, args.device) if args.ddp else \
         zeroshard.initialize(model, make_opt, args.engine_config(), mesh=mesh)
+
+
+def worker(args: TrainArgs) -> dict[str, Any]:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+    # From the launcher's variables (initialize would, DDP does not), on the backend asked for.
+    zeroshard.ensure_process_group(backend="nccl" if args.device == "cuda" else "gloo")
+    rss_before = _peak_rss()  # the runtime's own memory, before any model exists
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine = build_engine(args)
     rank = zeroshard.rank_and_world_size()[0]
     dp_rank, dp = data_rank(engine)
     data = Batches(load_corpus(args.data or None), args.seq_len)
