@@ -56,6 +56,11 @@ class _SumOnArrival:
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
 
+    @property
+    def staging_bytes(self) -> int:
+        """The receive buffer, while it lives (memory_stats counts it as a temporary)."""
+        return 0 if self.received is None else self.received.numel() * self.received.element_size()
+
 
 def _all_to_all_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, ranks: int,
                                async_op: bool) -> _SumOnArrival | None:
@@ -92,6 +97,10 @@ class _Watched:
 
     def wait(self) -> None:
         self.watch.wait(self.work, self.kind)
+
+    @property
+    def staging_bytes(self) -> int:
+        return getattr(self.work, "staging_bytes", 0)
 
 
 class Kind(str, Enum):

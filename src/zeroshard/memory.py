@@ -15,11 +15,12 @@ from .flat_param import FlatParam, ParamState
 
 
 def _inflight_bytes(flat: FlatParam) -> int:
-    """Inputs kept alive only by reductions in flight (not the persistent stage 0-1 gradient)."""
+    """Inputs kept alive only by reductions in flight (not the persistent stage 0-1 gradient), and
+    the buffers they receive into (a gloo reduce-scatter's, comm._SumOnArrival)."""
     persistent = None if flat.policy.shard_grads or flat.grad_full is None else \
         flat.grad_full.untyped_storage().data_ptr()
-    return sum(_nbytes(keep) for _, _, keep in flat.inflight
-               if keep.untyped_storage().data_ptr() != persistent)
+    return sum((_nbytes(keep) if keep.untyped_storage().data_ptr() != persistent else 0)
+               + getattr(work, "staging_bytes", 0) for work, _, keep in flat.inflight)
 
 
 def temporary_bytes(flat: FlatParam) -> int:

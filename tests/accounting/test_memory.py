@@ -127,3 +127,24 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
 
 def test_prefetch_bucket_and_max_live_parameters():
     spawn(_prefetch_limits, 3)
+
+
+def _receive_buffer_counted(rank: int, world_size: int) -> None:
+    """On gloo a reduce-scatter receives every rank's slice (comm._SumOnArrival): while it is in
+    flight, that buffer is a temporary like the input it keeps alive."""
+    from types import SimpleNamespace
+
+    from zeroshard.comm import complete
+    from zeroshard.memory import temporary_bytes
+    full, out = torch.full((8,), float(rank + 1)), torch.empty(4)
+    pending = zeroshard.Comm().reduce_scatter_mean(out, full, [(0, 4)], torch.float32, accumulate=False,
+                                                   async_op=True)
+    flat = SimpleNamespace(policy=SimpleNamespace(shard_params=False, shard_grads=True), persistent=True,
+                           grad_full=None, inflight=pending)
+    assert temporary_bytes(flat) == 32 + 32  # the input (8 fp32) and the receive buffer (8 fp32)
+    complete(pending)
+    assert torch.equal(out, torch.full((4,), 1.5)) and temporary_bytes(flat) == 0  # the mean of 1 and 2
+
+
+def test_a_reduce_scatter_in_flight_counts_its_receive_buffer():
+    spawn(_receive_buffer_counted, 2)
