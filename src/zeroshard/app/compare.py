@@ -27,15 +27,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 import zeroshard
 from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
 
 from .data import Batches, load_corpus
-from .gpt import lm_loss
 from .report import MIB, comparison_table, plot_comparison
-from .train import TrainArgs, build_engine, data_rank, launch, logits_of
+from .train import TrainArgs, build_engine, data_rank, launch, start_rank, train_batch, train_step
 
 Run = tuple[str, int, bool]  # (name, stage, DDP baseline)
 
@@ -69,26 +66,19 @@ def time_side_by_side(args: TrainArgs, runs: list[Run]) -> dict[str, list[float]
     """Rank worker: build every implementation in this world, then train them in turns, one step
     each, for args.steps turns. Returns each one's step times in ms (the slowest rank's), the first
     (warm-up) turn left out."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    zeroshard.ensure_process_group(backend="nccl" if args.device == "cuda" else "gloo")
+    start_rank(args)
     engines = {name: build_engine(replace(args, stage=stage, ddp=ddp)) for name, stage, ddp in runs}
     comm = zeroshard.Comm()  # (its barrier: the turns start together)
     dp_rank, dp = data_rank(next(iter(engines.values())))
     data = Batches(load_corpus(args.data or None), args.seq_len)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for step in range(args.steps):
-        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * dp + dp_rank)
-        x, y = data.get("train", args.batch_size, batch_rng)
         order = list(engines)[step % len(engines):] + list(engines)[:step % len(engines)]
         for name in order:  # rotated: no implementation always follows the same one
-            engine = engines[name]
-            inputs, targets = x.to(engine.device), y.to(engine.device)
+            x, y = train_batch(data, args, step, dp_rank, dp, engines[name].device)
             comm.barrier()
             start = time.perf_counter()
-            engine.backward(lm_loss(logits_of(engine(inputs)), targets))
-            engine.step()
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)
+            train_step(engines[name], x, y)
             times[name].append(1000 * (time.perf_counter() - start))
     slowest = {name: [max(column) for column in zip(*(r[name] for r in zeroshard.gather_objects(times)))]
                for name in times}

@@ -141,10 +141,33 @@ def build_engine(args: TrainArgs):
         zeroshard.initialize(model, make_opt, args.engine_config(), mesh=mesh)
 
 
-def worker(args: TrainArgs) -> dict[str, Any]:
+def start_rank(args: TrainArgs) -> None:
+    """A rank's threads (the cores shared out), and its process group from the launcher's variables
+    (initialize would, DDP does not), on the backend asked for."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
-    # From the launcher's variables (initialize would, DDP does not), on the backend asked for.
     zeroshard.ensure_process_group(backend="nccl" if args.device == "cuda" else "gloo")
+
+
+def train_batch(data: Batches, args: TrainArgs, step: int, dp_rank: int, dp: int, device: torch.device):
+    """(inputs, targets) of `step` for this dp rank, on `device`: the same for any implementation,
+    and for the tp ranks of one model shard."""
+    rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * dp + dp_rank)
+    return tuple(t.to(device) for t in data.get("train", args.batch_size, rng))
+
+
+def train_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward, optimizer step; returns the loss. A GPU step is done when its kernels
+    are, not when they are queued: it waits for them."""
+    loss = lm_loss(logits_of(engine(x)), y)
+    engine.backward(loss)
+    engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return loss
+
+
+def worker(args: TrainArgs) -> dict[str, Any]:
+    start_rank(args)
     rss_before = _peak_rss()  # the runtime's own memory, before any model exists
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -161,13 +184,9 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         os.makedirs(args.out, exist_ok=True)
     for step in range(len(history), args.steps):
         maybe_kill(kill, rank, step)
-        batch_rng = torch.Generator().manual_seed((args.seed * 1_000_003 + step) * dp + dp_rank)  # tp: alike
-        x, y = (t.to(engine.device) for t in data.get("train", args.batch_size, batch_rng))
+        x, y = train_batch(data, args, step, dp_rank, dp, engine.device)
         start = time.perf_counter()
-        loss = lm_loss(logits_of(engine(x)), y)
-        engine.backward(loss)
-        engine.step()
-        _wait_for_device(engine.device)  # a GPU step is done when its kernels are, not when queued
+        loss = train_step(engine, x, y)
         times.append(time.perf_counter() - start)
         history.append(zeroshard.mean_over_ranks(loss))
         tokens += x.numel() * dp
@@ -221,11 +240,6 @@ def _peak_rss() -> int:
 
 def _gpu_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _wait_for_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def logits_of(output: Any) -> torch.Tensor:
