@@ -48,7 +48,10 @@ class _SumOnArrival:
 
     def wait(self, timeout=None) -> bool:
         if self.work is not None:
-            self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout=timeout)
             torch.sum(self.received.view(self.ranks, -1), dim=0, out=self.output)
             self.work = self.received = None  # the receive buffer is freed as soon as it is summed
         return True
@@ -92,11 +95,11 @@ def complete(pending: Pending) -> None:
 class _Watched:
     """An issued collective whose wait is bounded and diagnosed (Comm.watch)."""
 
-    def __init__(self, work: dist.Work, watch: Watch, kind: str) -> None:
-        self.work, self.watch, self.kind = work, watch, kind
+    def __init__(self, work: dist.Work, watch: Watch) -> None:
+        self.work, self.watch = work, watch
 
     def wait(self) -> None:
-        self.watch.wait(self.work, self.kind)
+        self.watch.wait(self.work)
 
     @property
     def staging_bytes(self) -> int:
@@ -156,8 +159,8 @@ class Comm:
         watch.record(kind, self.label, bucket, tensor.numel(), tensor.dtype)
         work = watch.guard(lambda: call(True))
         if async_op:
-            return _Watched(work, watch, kind)
-        watch.wait(work, kind)
+            return _Watched(work, watch)
+        watch.wait(work)
         return None
 
     def about(self, label: str) -> ContextManager[None]:

@@ -108,7 +108,7 @@ class Watch:
         self.digests.append(self.digest)
 
     # ---- bounded waits --------------------------------------------------------------------------
-    def wait(self, work: dist.Work, kind: str) -> None:
+    def wait(self, work: dist.Work) -> None:
         """work.wait(), but a stall past the timeout (or a peer's alarm) becomes a DivergenceError."""
         if not self.bounded or work.is_completed():
             work.wait()  # (already done: this only surfaces an error)
