@@ -69,13 +69,12 @@ def time_side_by_side(args: TrainArgs, runs: list[Run]) -> dict[str, list[float]
     start_rank(args)
     engines = {name: build_engine(replace(args, stage=stage, ddp=ddp)) for name, stage, ddp in runs}
     comm = zeroshard.Comm()  # (its barrier: the turns start together)
-    dp_rank, dp = data_rank(next(iter(engines.values())))
     data = Batches(load_corpus(args.data or None), args.seq_len)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for step in range(args.steps):
         order = list(engines)[step % len(engines):] + list(engines)[:step % len(engines)]
         for name in order:  # rotated: no implementation always follows the same one
-            x, y = train_batch(data, args, step, dp_rank, dp, engines[name].device)
+            x, y = train_batch(data, args, step, *data_rank(engines[name]), engines[name].device)  # as alone
             comm.barrier()
             start = time.perf_counter()
             train_step(engines[name], x, y)
