@@ -1,9 +1,8 @@
 """Collectives with accounting: the only module of zeroshard that calls torch.distributed collectives
 (torch.distributed.checkpoint's own, inside dcp.save/load, excepted).
 
-Besides the plain collectives, it owns *how* flat buffers are communicated: in constant-size buckets
-(the paper's CB: a bucket never grows with the model), converted to a reduction dtype on the way,
-synchronously or issued asynchronously as `Pending` work to complete later (overlap_comm).
+Flat buffers travel through the bucketed collectives mixed in from bucketing.py (constant-size
+buckets, a reduction dtype, `Pending` work), which call the counted ones here.
 
 Bytes follow the paper's convention, so totals compare directly with 2Ψ / 3Ψ: an all-reduce counts
 twice its tensor (it is a reduce-scatter plus an all-gather), an all-gather counts its full output, a
@@ -21,6 +20,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
+from .bucketing import Bucketed
 from .devices import group_device
 from .diverge import Watch
 from .states import temporarily
@@ -79,19 +79,6 @@ def _all_to_all_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, 
 Work = Optional[dist.Work]  # a handle to wait on (async_op=True), else None
 
 
-Pending = list  # [(Work, then: Callable | None, the tensor kept alive)]: issued, not yet complete
-
-
-def complete(pending: Pending) -> None:
-    """Wait for issued collectives in issue order and run what follows each (copy back, add)."""
-    for work, then, _ in pending:
-        if work is not None:
-            work.wait()
-        if then is not None:
-            then()
-    pending.clear()
-
-
 class _Watched:
     """An issued collective whose wait is bounded and diagnosed (Comm.watch)."""
 
@@ -123,7 +110,7 @@ def _fresh() -> dict[Kind, Counter]:
     return {kind: Counter() for kind in Kind}
 
 
-class Comm:
+class Comm(Bucketed):
     """Collectives over one process group, counted by kind. Sums are divided by callers, not here."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -211,66 +198,6 @@ class Comm:
         """Reduce over the tp ranks (a no-op without tensor parallelism)."""
         if self.tp_group is not None and self.tp_size > 1:
             dist.all_reduce(tensor, op=op, group=self.tp_group)
-
-    # ---- bucketed collectives: constant-size buffers (the paper's CB), any reduction dtype -----
-    def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
-                      async_op: bool = False) -> Pending:
-        """full = every rank's shard, one column block [a, b) of the shards per collective.
-        Returns what is still in flight (nothing unless async_op)."""
-        pending: Pending = []
-        if len(chunks) == 1:
-            pending.append((self.all_gather(full, shard, async_op), None, shard))
-        else:
-            rows = full.view(self.world_size, -1)
-            for i, (a, b) in enumerate(chunks):
-                bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
-                self._staged(bucket)
-                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op, bucket=i)
-                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
-                    bucket.view(self.world_size, b - a)), bucket))
-        if not async_op:
-            complete(pending)
-        return pending
-
-    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
-                            dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
-        """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
-        pending: Pending = []
-        n = self.world_size
-        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
-            full.div_(n)
-            # In place when `out` aliases its slice of `full`, which stays referenced until done.
-            pending.append((self.reduce_scatter(out, full, async_op), None, full))
-        else:
-            rows = full.view(n, -1)
-            for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
-                bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
-                self._staged(bucket)
-                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-                work = self.reduce_scatter(reduced, bucket, async_op, bucket=i)
-                target = out[a:b]
-                pending.append((work, (lambda t=target, r=reduced: t.add_(r)) if accumulate
-                                else (lambda t=target, r=reduced: t.copy_(r)), bucket))
-        if not async_op:
-            complete(pending)
-        return pending
-
-    def all_reduce_mean(self, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
-                        async_op: bool = False) -> Pending:
-        """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
-        pending: Pending = []
-        step = max(1, bucket_size)
-        for a in range(0, full.numel(), step):
-            bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
-            if bucket.dtype != full.dtype:
-                self._staged(bucket)
-            bucket.div_(self.world_size)
-            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
-                if bucket.dtype != full.dtype else None
-            pending.append((self.all_reduce(bucket, async_op, bucket=a // step), copy_back, bucket))
-        if not async_op:
-            complete(pending)
-        return pending
 
     def _staged(self, bucket: torch.Tensor) -> None:
         self.largest_bucket = max(self.largest_bucket, bucket.numel() * bucket.element_size())

@@ -18,17 +18,18 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from . import checkpoint, checkpoint_load, memory, nvme
+from . import nvme
 from .checks import check_model, check_module_type, verify_same_on_every_rank
 from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
 from .diverge import Watch
+from .engine_state import EngineState
 from .nonfinite import NonFiniteGuard
 from .offload import Copier
 from .parallel.activations import CheckpointStore, checkpoint_units
-from .parallel.dtensor import full_tensor, point
+from .parallel.dtensor import point
 from .parallel.mesh import Axes, attach_tp
 from .reduce import GradientReducer
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
@@ -57,8 +58,9 @@ _STATE_MOVES = {
 }
 
 
-class Engine:
-    """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones."""
+class Engine(EngineState):
+    """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones.
+    (Checkpoints, exports and measurements: engine_state.EngineState.)"""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
                  param_groups: list[dict] | None = None, lr_scheduler: Any = None,
@@ -176,13 +178,7 @@ class Engine:
                              copier=self.copier)
             self.flats.append(flat)  # as soon as it exists, so a failure later can undo it
             return flat
-        units = build_units(self.module, self.config.unit_modules, group_of, new_flat)
-        for u, unit in enumerate(units):  # what fingerprints and error messages call each buffer
-            for flat in unit.flats:
-                group = f", group {flat.group}" if len(unit.flats) > 1 else ""
-                group += ", tp-split" if flat.tp_sharded else ""
-                flat.label = f"unit {u} ({unit.name or 'root'}{group})"
-        return units
+        return build_units(self.module, self.config.unit_modules, group_of, new_flat)
 
     # ---- the training step ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -297,131 +293,3 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
-
-    # ---- checkpoints ----------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
-        """Collective. Each rank writes only what it owns; the checkpoint loads at any world size
-        and stage. Returns its path; `save_dir/latest` names it once every rank is done."""
-        if self.micro_steps % self.config.gradient_accumulation_steps:
-            raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
-                               "accumulated gradients; save after the step() that ends the cycle")
-        self.comm.watch.check("save_checkpoint")  # a save on some ranks only is named, not a hang
-        self.wait_for_parameters()
-        extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "scaler": self.scaler.state_dict(), "config": self.config.raw,
-                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-                 "world_size": self.comm.world_size, "tp": self.comm.tp_size, "stage": self.config.stage,
-                 "state_dict_keys": self._state_dict_keys, "client_state": client_state}
-        with torch.no_grad(), self.comm.outside_step():
-            return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.flats, self.optimizer,
-                                   self._checkpoint_comm, self._buffers, extra)
-
-    @property
-    def _checkpoint_comm(self) -> Comm:
-        """Checkpoints are written by every rank of the model, tp shards included: over the world
-        when the model is split over tp (dp alone holds only one tp rank's shards)."""
-        if self.comm.tp_size == 1:
-            return self.comm
-        if self._world_comm is None:
-            self._world_comm = Comm(None)
-        return self._world_comm
-
-    def load_checkpoint(self, load_dir: str, missing_ok: bool = False) -> Any:
-        """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
-        any world size and stage; returns the saved client_state. Nothing changes if it fails.
-        With missing_ok, a missing or empty directory is no error: it logs a line and returns None,
-        so "resume if there is anything to resume" is one call."""
-        if checkpoint.resolve(load_dir, missing_ok) is None:
-            logger.info("no checkpoint in '%s': starting from the model's own values", load_dir)
-            return None
-        self._free_units()  # what is gathered now would shadow the loaded shards
-        self.wait_for_parameters()
-        for flat in self.flats:
-            flat.await_host_read()  # an offloaded shard is written in place
-        with torch.no_grad(), self.comm.outside_step():
-            extra = checkpoint_load.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
-                                         self._buffers)
-            disk = self.copier.disk if self.copier is not None else None
-            for flat in self.flats:
-                flat.zero_grad()
-                if flat.trainable:
-                    flat.write_back()  # with disk offload, reads the master's file through its map ...
-                    if disk is not None:
-                        disk.drop_pages([flat.master])  # ... whose pages go, one buffer at a time
-                elif flat.policy.shard_params and flat.persistent:
-                    flat.gather_into_full()
-            for flat in self.flats:
-                flat.finish_write_back()
-        if self.copier is not None:
-            self.copier.unwritten = False  # the parameters are the loaded master's
-        # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
-        self.global_steps = extra["global_steps"]
-        self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
-        clock = self.comm.watch.clock
-        clock.step, clock.micro = self.global_steps, self.micro_steps
-        self.scaler.load_state_dict(extra["scaler"])
-        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        return extra["client_state"]
-
-    # ---- views and measurements -----------------------------------------------------------------
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank; with
-        rank0_only, on rank 0 alone (the others take part in the gathers, keep nothing and get {}:
-        an export on a node of N ranks then holds one host copy of the model, not N)."""
-        values: dict[str, torch.Tensor] = {}
-        keep = not rank0_only or self.comm.rank == 0
-        self.wait_for_parameters()
-        with torch.no_grad(), self.comm.outside_step():
-            for flat in self.flats:
-                for spec, (slot, value) in zip(flat.specs, flat.gathered_params()):
-                    whole = full_tensor(value, spec)  # collective over tp for a split parameter
-                    if keep:
-                        values.update(dict.fromkeys(slot.names, whole.float().cpu().clone()))
-            for name, buffer in self._buffers.items():
-                copy = buffer.detach().clone()
-                self.comm.broadcast(copy, 0)  # rank 0's running statistics, as DDP keeps them
-                if keep:
-                    values[name] = (copy.float() if copy.is_floating_point() else copy).cpu()
-        return {k: values[k] for k in self._state_dict_keys if k in values}
-
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes this rank holds now: model states by category, module buffers and temporaries;
-        with activation_checkpointing, the checkpointed inputs the last forward kept, by place."""
-        self._finish_update()  # the optimizer state is the update's until it ends
-        stats = memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
-                                    self.peak_temporary, self.comm.largest_bucket)
-        if self.activations is not None:
-            stats["checkpointed_activations"] = self.activations.peak["device"]
-            stats["checkpointed_activations_host"] = self.activations.peak["host"]
-        return stats
-
-    def _note_temporaries(self) -> None:
-        """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
-        the moments they peak: after each unit is gathered and when a buffer's gradient is complete."""
-        now = sum(map(memory.temporary_bytes, self.flats))
-        self.peak_temporary = max(self.peak_temporary, now)
-
-    def comm_stats(self) -> dict[str, dict[str, Any]]:
-        """Per collective kind: calls and bytes (paper convention), for the last step and in total;
-        "store": the divergence checks' c10d-store writes and reads (calls, payload bytes), in total,
-        outside the collectives' figures (check_collectives); with activation_checkpointing,
-        "activation_all_gather": the all-gathers over tp before each recompute, in total."""
-        extra = {} if self.activations is None else {"activation_all_gather": dict(self.activations.gathers)}
-        return {**self.comm.stats(), "store": dict(self.comm.watch.store_traffic), **extra}
-
-    def close(self) -> None:
-        """Remove disk offload's files now. They also go when the engine is collected and at
-        interpreter exit; call this where neither runs (a fork-started worker ends with os._exit).
-        The engine cannot train afterwards."""
-        if self.copier is not None and self.copier.disk is not None:
-            self.copier.disk.close()
-
-    def io_stats(self) -> dict[str, Any]:
-        """Disk offload: bytes read and written in the last step and in total (zeros without it)."""
-        return nvme.io_stats(self.copier.disk if self.copier is not None else None)
-
-    def num_parameters(self, trainable_only: bool = False) -> int:
-        """Ψ: distinct parameters (tied weights once), without padding; under tp, this rank's part
-        (its shards of the split parameters and the replicated ones), which ZeRO shards over dp."""
-        return sum(f.layout.numel for f in self.flats if f.trainable or not trainable_only)

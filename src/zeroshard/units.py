@@ -102,6 +102,11 @@ def build_units(module: nn.Module, unit_modules: list[str] | None, group_of: dic
         flats = [new_flat(members, group) for (group, _), members in sorted(by_group.items())]
         if flats:
             units.append(Unit(name, module.get_submodule(name), flats))
+    for u, unit in enumerate(units):  # what fingerprints and error messages call each buffer
+        for flat in unit.flats:
+            group = f", group {flat.group}" if len(unit.flats) > 1 else ""
+            group += ", tp-split" if flat.tp_sharded else ""
+            flat.label = f"unit {u} ({unit.name or 'root'}{group})"
     return units
 
 

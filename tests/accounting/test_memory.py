@@ -134,7 +134,7 @@ def _receive_buffer_counted(rank: int, world_size: int) -> None:
     flight, that buffer is a temporary like the input it keeps alive."""
     from types import SimpleNamespace
 
-    from zeroshard.comm import complete
+    from zeroshard.bucketing import complete
     from zeroshard.memory import temporary_bytes
     full, out = torch.full((8,), float(rank + 1)), torch.empty(4)
     pending = zeroshard.Comm().reduce_scatter_mean(out, full, [(0, 4)], torch.float32, accumulate=False,

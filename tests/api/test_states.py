@@ -10,7 +10,7 @@ import torch
 import zeroshard
 from helpers.models import TinyGPT, loss_fn, rank_batch
 from zeroshard.engine import TrainingState
-from zeroshard.flat_param import GradState
+from zeroshard.flat_grad import GradState
 from zeroshard.reduce import CyclePhase
 from zeroshard.states import StateError, move
 

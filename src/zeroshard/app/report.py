@@ -1,12 +1,26 @@
-"""What the main job shows at the end: memory and traffic beside the paper, the loss plot, samples."""
+"""What the main job measures and shows at the end: peak memory, memory and traffic beside the paper,
+the loss plot, samples."""
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
+
+import torch
 
 from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
 
 MIB = 2**20
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gpu_peak(device: torch.device) -> int:
+    """The most GPU memory this process's tensors held at once on `device` (0 off the GPU)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision: str,

@@ -9,7 +9,6 @@ last checkpoint (`save_every`), exactly: see restart.py.
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import statistics
 import time
@@ -25,7 +24,8 @@ from zeroshard.paper import BYTES_PER_PARAM
 
 from .data import Batches, load_corpus
 from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
-from .report import MIB, memory_table, plot_losses, traffic_line
+from .baseline import DDPBaseline
+from .report import MIB, gpu_peak, memory_table, peak_rss, plot_losses, traffic_line
 from .restart import (drill_target, maybe_kill, new_run_id, report_line, resume, store_per_attempt,
                       write_progress)
 
@@ -168,7 +168,7 @@ def train_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def worker(args: TrainArgs) -> dict[str, Any]:
     start_rank(args)
-    rss_before = _peak_rss()  # the runtime's own memory, before any model exists
+    rss_before = peak_rss()  # the runtime's own memory, before any model exists
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     engine = build_engine(args)
@@ -202,7 +202,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         engine.save_checkpoint(checkpoints, client_state=_client_state(args, history))
     text = _sample(engine, args)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
-    peaks = zeroshard.gather_objects((_peak_rss() - rss_before, _gpu_peak(engine.device)))
+    peaks = zeroshard.gather_objects((peak_rss() - rss_before, gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
         _report(engine, args, per_rank, history, val, text, sum(times))
         if resumed.restarts:
@@ -231,15 +231,6 @@ def _client_state(args: TrainArgs, history: list[float]) -> dict[str, Any]:
     """What a resumed run needs besides the engine's state: the loss history (its length is the
     step to resume from), the arguments, and the run id that marks the checkpoint as this run's."""
     return {"losses": list(history), "args": asdict(args), "run_id": args.run_id}
-
-
-def _peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _gpu_peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -300,44 +291,3 @@ def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: li
     plot_losses(history, val, plot)
     print(f"loss curve: {plot}; checkpoint: {os.path.join(args.out, 'checkpoints')} (resume with --resume)")
     print("sample:\n" + "\n".join("  | " + line for line in text.splitlines()[:8]))
-
-
-class DDPBaseline:
-    """Plain torch DistributedDataParallel (one rank: the bare model) behind the engine's interface:
-    the compare baseline."""
-
-    def __init__(self, model: nn.Module, make_opt, device: str) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-        cuda = device == "cuda"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        model = model.to(self.device)
-        one_rank = zeroshard.rank_and_world_size()[1] == 1  # plain torch: nothing to synchronize
-        self.module = model if one_rank else DistributedDataParallel(
-            model, device_ids=[self.device.index] if cuda else None)
-        self.optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
-
-    def __call__(self, *args: Any) -> Any:
-        return self.module(*args)
-
-    def train(self, mode: bool = True) -> "DDPBaseline":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "DDPBaseline":
-        return self.train(False)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)  # keep gradients allocated, as DDP's buckets do
-
-    def memory_stats(self) -> dict[str, int]:
-        params = list(self.module.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        states = zeroshard.tensor_bytes(params + grads) + zeroshard.optimizer_state_bytes(self.optimizer)
-        return {"model_states": states}
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.module.parameters())

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
+from .values import as_bool, as_dict, as_int, as_number, refuse_auto, refuse_true
 from .sections import (DTYPES, OPTIMIZERS, ActivationConfig, ConfigError, OptimizerConfig, ScalerConfig,
                        Settings, ZeroConfig)
 
@@ -35,90 +36,32 @@ _NOT_IMPLEMENTED_ZERO = {
 }
 
 
-def _refuse_auto(key: str, value: Any) -> None:
-    """DeepSpeed's "auto" means "the Hugging Face Trainer decides": only zeroshard.hf.ZeroTrainer
-    fills it in (from TrainingArguments); given to initialize it is refused by name."""
-    if isinstance(value, str) and value == "auto":
-        raise ConfigError(f"config key '{key}' is \"auto\": a placeholder that zeroshard.hf.ZeroTrainer "
-                          f"fills from TrainingArguments; zeroshard.initialize needs a value (or leave the "
-                          f"key out for its default)")
-
-
-def _as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    # JSON configs write big sizes as 5e8: accept integral floats, refuse bools, fractions, inf and nan.
-    _refuse_auto(key, value)
-    span = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (isinstance(value, float) and not math.isfinite(value)) or value != int(value):
-        raise ConfigError(f"config key '{key}' must be an integer {span}, got {value!r}")
-    if int(value) < minimum or (maximum is not None and int(value) > maximum):
-        raise ConfigError(f"config key '{key}' must be an integer {span}, got {value!r}")
-    return int(value)
-
-
-def _as_number(key: str, value: Any, minimum: float | None = None, *, above: bool = False,
-               maximum: float | None = None, note: str = "") -> float:
-    """A finite real number (not a bool), >= minimum (> minimum with `above`) and <= maximum; `note`
-    follows the accepted range in the error."""
-    _refuse_auto(key, value)
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and minimum is not None:
-        ok = value > minimum if above else value >= minimum
-    if ok and maximum is not None:
-        ok = value <= maximum
-    if not ok:
-        bounds = [f"{'>' if above else '>='} {minimum:g}"] if minimum is not None else []
-        bounds += [f"<= {maximum:g}"] if maximum is not None else []
-        accepted = " ".join(["a finite number", " and ".join(bounds), note]).strip()
-        raise ConfigError(f"config key '{key}' must be {accepted}, got {value!r}")
-    return float(value)
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    _refuse_auto(key, value)
-    if not isinstance(value, bool):
-        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
-    return value
-
-
-def _as_dict(key: str, value: Any) -> dict[str, Any]:
-    _refuse_auto(key, value)
-    if not isinstance(value, dict):
-        raise ConfigError(f"config key '{key}' must be an object, got {type(value).__name__}")
-    return value
-
-
-def _refuse_true(key: str, value: Any, why: str) -> None:
-    if _as_bool(key, value):
-        raise ConfigError(f"config key '{key}': true is not implemented yet ({why}); set it to false")
-
-
 def _zero(cfg: Settings, value: Any) -> None:
     z = cfg.zero
-    for key, v in _as_dict("zero_optimization", value).items():
+    for key, v in as_dict("zero_optimization", value).items():
         name = f"zero_optimization.{key}"
         if key == "stage":
-            z.stage = _as_int(name, v, 0)
+            z.stage = as_int(name, v, 0)
             if z.stage > 3:
                 raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
         elif key in ("reduce_bucket_size", "allgather_bucket_size"):
-            setattr(z, key, _as_int(name, v, 1))
+            setattr(z, key, as_int(name, v, 1))
         elif key == "stage3_prefetch_bucket_size":
-            z.stage3_prefetch_bucket_size = None if v is None else _as_int(name, v, 0)
+            z.stage3_prefetch_bucket_size = None if v is None else as_int(name, v, 0)
         elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
-            setattr(z, key, _as_int(name, v, 0))
+            setattr(z, key, as_int(name, v, 0))
         elif key == "sub_group_size":
-            z.sub_group_size = _as_int(name, v, 1)
+            z.sub_group_size = as_int(name, v, 1)
         elif key == "contiguous_gradients":
-            z.contiguous_gradients = _as_bool(name, v)
+            z.contiguous_gradients = as_bool(name, v)
         elif key == "offload_optimizer":
             _offload(cfg, v, "offload_optimizer")
         elif key == "offload_param":
             _offload(cfg, v, "offload_param")
         elif key == "overlap_comm":
-            z.overlap_comm = _as_bool(name, v)
+            z.overlap_comm = as_bool(name, v)
         elif key in ("reduce_scatter", "allgather_partitions"):
-            if not _as_bool(name, v):
+            if not as_bool(name, v):
                 raise ConfigError(f"config key '{name}': false is not supported (it replaces the "
                                   f"reduce-scatter/all-gather pair with more traffic); set it to true")
         elif key in _NOT_IMPLEMENTED_ZERO:
@@ -131,13 +74,13 @@ def _zero(cfg: Settings, value: Any) -> None:
 
 
 def _optimizer(cfg: Settings, value: Any) -> None:
-    section = _as_dict("optimizer", value)
+    section = as_dict("optimizer", value)
     extra = set(section) - {"type", "params"}
     if extra:
         raise ConfigError(f"unknown config key(s) optimizer.{sorted(map(str, extra))[0]}; "
                           f"accepted: type, params")
     kind = section.get("type")
-    _refuse_auto("optimizer.type", kind)
+    refuse_auto("optimizer.type", kind)
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
         raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
                           f"(case-insensitive), got {kind!r}")
@@ -155,17 +98,17 @@ _OPTIMIZER_CHOICES = {"foreach", "fused"}  # true, false, or null: torch decides
 
 
 def _optimizer_params(value: Any) -> dict[str, Any]:
-    params = dict(_as_dict("optimizer.params", value))
+    params = dict(as_dict("optimizer.params", value))
     for key, v in params.items():
         name = f"optimizer.params.{key}"
         if not isinstance(key, str):
             raise ConfigError(f"config key 'optimizer.params' holds the optimizer's keyword arguments: its "
                               f"keys must be strings, got {key!r}")
-        _refuse_auto(name, v)  # any keyword argument: torch would refuse it only at construction
+        refuse_auto(name, v)  # any keyword argument: torch would refuse it only at construction
         if key in _OPTIMIZER_NUMBERS and not isinstance(v, torch.Tensor):  # torch takes a tensor lr
-            _as_number(name, v)
+            as_number(name, v)
         elif key in _OPTIMIZER_FLAGS or (key in _OPTIMIZER_CHOICES and v is not None):
-            _as_bool(name, v)
+            as_bool(name, v)
         elif key == "betas" and not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
                 isinstance(b, numbers.Real) and not isinstance(b, bool) and math.isfinite(b) for b in v)):
             raise ConfigError(f"config key '{name}' must be a list of two numbers, got {v!r}")
@@ -176,7 +119,7 @@ def _optimizer_params(value: Any) -> dict[str, Any]:
 
 
 def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
-    if _as_bool(f"{name}.enabled", enabled):
+    if as_bool(f"{name}.enabled", enabled):
         if cfg.precision not in ("fp32", name):
             raise ConfigError("config enables both fp16 and bf16; enable one of them")
         cfg.precision = name
@@ -186,16 +129,16 @@ def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
 # gradient (and 2**1024 is no Python float). A minimum scale of 0 would let the scale halve down to
 # 0.0 over a long run of overflows, then divide by it.
 _FP16_KEYS: dict[str, Callable[[str, Any], float]] = {
-    "loss_scale": lambda key, v: _as_number(key, v, 0.0, note="(0: dynamic)"),
-    "initial_scale_power": lambda key, v: _as_int(key, v, 0, 127),
-    "loss_scale_window": lambda key, v: _as_int(key, v, 1),
-    "hysteresis": lambda key, v: _as_int(key, v, 1),
-    "min_loss_scale": lambda key, v: _as_number(key, v, 0.0, above=True),
+    "loss_scale": lambda key, v: as_number(key, v, 0.0, note="(0: dynamic)"),
+    "initial_scale_power": lambda key, v: as_int(key, v, 0, 127),
+    "loss_scale_window": lambda key, v: as_int(key, v, 1),
+    "hysteresis": lambda key, v: as_int(key, v, 1),
+    "min_loss_scale": lambda key, v: as_number(key, v, 0.0, above=True),
 }
 
 
 def _fp16(cfg: Settings, value: Any) -> None:
-    section = _as_dict("fp16", value)
+    section = as_dict("fp16", value)
     scaler = ScalerConfig()
     for key, v in section.items():
         if key == "enabled":
@@ -213,7 +156,7 @@ def _fp16(cfg: Settings, value: Any) -> None:
 
 
 def _bf16(cfg: Settings, value: Any) -> None:
-    section = _as_dict("bf16", value)
+    section = as_dict("bf16", value)
     for key in section:
         if key != "enabled":
             _refuse(f"bf16.{key}", set(), ["enabled"])
@@ -221,7 +164,7 @@ def _bf16(cfg: Settings, value: Any) -> None:
 
 
 def _communication_dtype(cfg: Settings, value: Any) -> None:
-    _refuse_auto("communication_data_type", value)
+    refuse_auto("communication_data_type", value)
     if not isinstance(value, str) or value not in DTYPES:
         raise ConfigError(f"config key 'communication_data_type' must be one of {', '.join(DTYPES)}, "
                           f"got {value!r}")
@@ -241,12 +184,12 @@ _NOT_IMPLEMENTED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_wei
 
 def _set_int(attr: str, minimum: int) -> Callable[[Settings, Any], None]:
     def apply(cfg: Settings, value: Any) -> None:
-        setattr(cfg, attr, _as_int(attr, value, minimum))
+        setattr(cfg, attr, as_int(attr, value, minimum))
     return apply
 
 
 def _clipping(cfg: Settings, value: Any) -> None:
-    cfg.gradient_clipping = _as_number("gradient_clipping", value, 0.0, note="(0: off)")
+    cfg.gradient_clipping = as_number("gradient_clipping", value, 0.0, note="(0: off)")
 
 
 _NVME_KEYS = {"fast_init", "ratio", "pipeline_read", "pipeline_write", "pipeline"}  # DeepSpeed's, not built
@@ -256,16 +199,16 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
     """offload_optimizer / offload_param: {"device": "cpu" | "nvme" | "none", "pin_memory": bool, and
     the disk offload's keys (nvme_keys.py)}."""
     pin = "offload_pin_memory" if section == "offload_optimizer" else "offload_param_pin_memory"
-    for key, v in _as_dict(f"zero_optimization.{section}", value).items():
+    for key, v in as_dict(f"zero_optimization.{section}", value).items():
         name = f"zero_optimization.{section}.{key}"
         if key == "device":
-            _refuse_auto(name, v)
+            refuse_auto(name, v)
             if v not in ("cpu", "nvme", "none"):
                 raise ConfigError(f"config key '{name}' must be \"cpu\", \"nvme\" or \"none\", got {v!r}")
             setattr(cfg.zero, section, v != "none")  # nvme: the host offload, its states resting in files
             set_device(cfg, section, v == "nvme")
         elif key == "pin_memory":
-            setattr(cfg.zero, pin, _as_bool(name, v))
+            setattr(cfg.zero, pin, as_bool(name, v))
         elif key in NVME_KEYS[section]:
             nvme_key(cfg, section, key, v)
         else:
@@ -273,7 +216,7 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
 
 
 def _wall_clock(cfg: Settings, value: Any) -> None:
-    _refuse_true("wall_clock_breakdown", value, "no timers are kept")
+    refuse_true("wall_clock_breakdown", value, "no timers are kept")
 
 
 _ZEROSHARD_KEYS = ["check_collectives", "collective_timeout", "defer_param_gather", "delayed_param_update",
@@ -281,23 +224,23 @@ _ZEROSHARD_KEYS = ["check_collectives", "collective_timeout", "defer_param_gathe
 
 
 def _zeroshard(cfg: Settings, value: Any) -> None:
-    for key, v in _as_dict("zeroshard", value).items():
+    for key, v in as_dict("zeroshard", value).items():
         name = f"zeroshard.{key}"
         if key in ("defer_param_gather", "delayed_param_update"):
-            setattr(cfg, key, _as_bool(name, v))
+            setattr(cfg, key, as_bool(name, v))
         elif key == "unit_modules":
             cfg.unit_modules = _unit_modules(v)
         elif key == "check_collectives":  # true: every step; an integer K: every K steps
-            _refuse_auto(name, v)
+            refuse_auto(name, v)
             ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
             if not (isinstance(v, bool) or ok):
                 raise ConfigError(f"config key '{name}' must be true, false or a number of steps >= 0, "
                                   f"got {v!r}")
             cfg.check_collectives = int(v)
         elif key == "collective_timeout":  # at most ~31 years: a timedelta holds it
-            cfg.collective_timeout = _as_number(name, v, 0.0, above=True, maximum=1e9, note="seconds")
+            cfg.collective_timeout = as_number(name, v, 0.0, above=True, maximum=1e9, note="seconds")
         elif key == "on_nonfinite":
-            _refuse_auto(name, v)
+            refuse_auto(name, v)
             if v not in ("raise", "skip"):
                 raise ConfigError(f"config key '{name}' must be \"raise\" or \"skip\", got {v!r}")
             cfg.on_nonfinite = v
@@ -324,14 +267,14 @@ def _activations(cfg: Settings, value: Any) -> None:
     itself; here every unit is checkpointed). synchronize_checkpoint_boundary and profile are
     accepted: they only time and synchronize in DeepSpeed."""
     act = ActivationConfig()
-    for key, v in _as_dict("activation_checkpointing", value).items():
+    for key, v in as_dict("activation_checkpointing", value).items():
         name = f"activation_checkpointing.{key}"
         if key in _ACTIVATION_FLAGS:
-            setattr(act, key, _as_bool(name, v))
+            setattr(act, key, as_bool(name, v))
         elif key == "number_checkpoints":
-            act.number_checkpoints = None if v is None else _as_int(name, v, 1)
+            act.number_checkpoints = None if v is None else as_int(name, v, 1)
         elif key in ("synchronize_checkpoint_boundary", "profile"):
-            _as_bool(name, v)
+            as_bool(name, v)
         else:
             raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ACTIVATION_ACCEPTED)}")
     cfg.activations = act

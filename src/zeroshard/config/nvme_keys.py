@@ -9,25 +9,16 @@ not libaio); the others are advisory.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from .sections import ConfigError, Settings
+from .values import as_int
 
 # Keys of each offload section that only disk offload uses (accepted, and validated, with "cpu" too).
 NVME_KEYS = {"offload_optimizer": ("nvme_path", "buffer_count"),
              "offload_param": ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")}
 _AIO_INTS = ("block_size", "queue_depth", "thread_count")
 _AIO_BOOLS = ("single_submit", "overlap_events", "use_gds")
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    """An integer >= minimum; integral floats (5e8) are accepted, as elsewhere in the config."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and \
-        (not isinstance(value, float) or (math.isfinite(value) and value == int(value)))
-    if not ok or int(value) < minimum:
-        raise ConfigError(f"config key '{name}' must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def set_device(cfg: Settings, section: str, nvme: bool) -> None:
@@ -44,11 +35,11 @@ def nvme_key(cfg: Settings, section: str, key: str, value: Any) -> None:
                               f"got {value!r}")
         setattr(cfg.nvme, "optimizer_path" if optimizer else "param_path", value)
     elif key == "buffer_count":
-        setattr(cfg.nvme, "buffer_count" if optimizer else "param_buffer_count", _count(name, value, 1))
+        setattr(cfg.nvme, "buffer_count" if optimizer else "param_buffer_count", as_int(name, value, 1))
     elif key == "buffer_size":
-        cfg.nvme.param_buffer_size = _count(name, value, 1)
+        cfg.nvme.param_buffer_size = as_int(name, value, 1)
     elif key == "max_in_cpu":
-        cfg.nvme.max_in_cpu = _count(name, value, 0)
+        cfg.nvme.max_in_cpu = as_int(name, value, 0)
 
 
 def aio(cfg: Settings, value: Any) -> None:
@@ -59,7 +50,7 @@ def aio(cfg: Settings, value: Any) -> None:
     for key, v in value.items():
         name = f"aio.{key}"
         if key in _AIO_INTS:
-            cfg.nvme.aio[key] = _count(name, v, 1)
+            cfg.nvme.aio[key] = as_int(name, v, 1)
         elif key in _AIO_BOOLS:
             if not isinstance(v, bool):
                 raise ConfigError(f"config key '{name}' must be true or false, got {v!r}")

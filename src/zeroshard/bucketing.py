@@ -1,0 +1,92 @@
+"""Flat buffers over the wire in constant-size buckets (the paper's CB: a bucket never grows with
+the model), converted to a reduction dtype on the way, synchronously or issued as `Pending` work
+that `complete()` finishes later (overlap_comm, prefetch).
+
+Invariants: a buffer of any size is moved in chunks of at most `bucket_size` elements of each
+shard, so the staging memory is one bucket, not one buffer; a staged copy exists only when the
+layout or the dtype needs it (one chunk in the buffer's own dtype runs in place); every reduction
+averages (divides by the ranks) exactly once, before it is summed.
+
+`Bucketed` is mixed into comm.Comm, whose counted collectives (all_gather, reduce_scatter,
+all_reduce) these methods call: only comm.py calls torch.distributed.
+"""
+from __future__ import annotations
+
+
+import torch
+
+
+Pending = list  # [(Work, then: Callable | None, the tensor kept alive)]: issued, not yet complete
+
+
+def complete(pending: Pending) -> None:
+    """Wait for issued collectives in issue order and run what follows each (copy back, add)."""
+    for work, then, _ in pending:
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
+    pending.clear()
+
+
+class Bucketed:
+    """The bucketed collectives of Comm (see the module docstring)."""
+
+    def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
+                      async_op: bool = False) -> Pending:
+        """full = every rank's shard, one column block [a, b) of the shards per collective.
+        Returns what is still in flight (nothing unless async_op)."""
+        pending: Pending = []
+        if len(chunks) == 1:
+            pending.append((self.all_gather(full, shard, async_op), None, shard))
+        else:
+            rows = full.view(self.world_size, -1)
+            for i, (a, b) in enumerate(chunks):
+                bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
+                self._staged(bucket)
+                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op, bucket=i)
+                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
+                    bucket.view(self.world_size, b - a)), bucket))
+        if not async_op:
+            complete(pending)
+        return pending
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
+                            dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
+        """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
+        pending: Pending = []
+        n = self.world_size
+        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
+            full.div_(n)
+            # In place when `out` aliases its slice of `full`, which stays referenced until done.
+            pending.append((self.reduce_scatter(out, full, async_op), None, full))
+        else:
+            rows = full.view(n, -1)
+            for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
+                bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
+                self._staged(bucket)
+                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
+                work = self.reduce_scatter(reduced, bucket, async_op, bucket=i)
+                target = out[a:b]
+                pending.append((work, (lambda t=target, r=reduced: t.add_(r)) if accumulate
+                                else (lambda t=target, r=reduced: t.copy_(r)), bucket))
+        if not async_op:
+            complete(pending)
+        return pending
+
+    def all_reduce_mean(self, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
+                        async_op: bool = False) -> Pending:
+        """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
+        pending: Pending = []
+        step = max(1, bucket_size)
+        for a in range(0, full.numel(), step):
+            bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
+            if bucket.dtype != full.dtype:
+                self._staged(bucket)
+            bucket.div_(self.world_size)
+            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
+                if bucket.dtype != full.dtype else None
+            pending.append((self.all_reduce(bucket, async_op, bucket=a // step), copy_back, bucket))
+        if not async_op:
+            complete(pending)
+        return pending

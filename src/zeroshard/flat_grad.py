@@ -1,0 +1,204 @@
+"""The gradient side of a flat buffer: how gradients arrive, are reduced and reach the optimizer.
+
+A trainable buffer's gradient lives in `grad_full` (full size, in the compute dtype) while it
+accumulates, and in `grad_shard` (this rank's slice, in the accumulation dtype) once reduced:
+- every parameter's gradient is added into `grad_full` as its post-accumulate-grad hook fires, and
+  `param.grad` is dropped, so no second copy of the gradient ever lives;
+- stage 0 all-reduces `grad_full` (`grad_shard` is its slice); stages 1-3 reduce-scatter it into
+  `grad_shard`; stages 2-3 then free `grad_full`, so between backwards only the shard remains;
+- a buffer is reduced exactly once per backward (stages 2-3) or per step (stages 0-1); a later
+  backward's gradients are reduced on their own and added (`ACCUMULATING_MORE`), never summed
+  with a reduced gradient before reducing, which would count it N times;
+- `grad_version` changes whenever the reduced gradient does: offload_optimizer's copy to the
+  host is redone if it went down before the gradient was final.
+
+`FlatGrad` is mixed into flat_param.FlatParam, whose constructor sets what these methods read (the
+layout, policy, precision, comm, buckets, `full`, `master`, `host`) and calls `_init_grads()`.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from .bucketing import Pending, complete
+from .parallel.dtensor import laid_out
+from .states import move
+
+
+class GradState(Enum):
+    """What a trainable buffer's gradient holds since the last step."""
+
+    EMPTY = "empty"                # nothing since the last step
+    ACCUMULATING = "accumulating"  # gradients collect in `grad_full`; nothing reduced since the last step
+    REDUCED = "reduced"            # reduced and up to date: in this backward (stages 2-3) or this step (0-1)
+    HELD = "held"                  # stages 2-3: the reduced sum of earlier backwards, not yet this one's
+    ACCUMULATING_MORE = "accumulating more"  # a reduced gradient exists and this backward's gradients
+    # collect to be reduced and added: in `grad_full` at stages 2-3, in `_late` at stages 0-1
+
+
+_GRAD_MOVES = {
+    GradState.EMPTY: {GradState.ACCUMULATING, GradState.REDUCED},
+    GradState.ACCUMULATING: {GradState.REDUCED, GradState.EMPTY},
+    GradState.REDUCED: {GradState.HELD, GradState.ACCUMULATING_MORE, GradState.EMPTY},
+    GradState.HELD: {GradState.ACCUMULATING_MORE, GradState.REDUCED, GradState.EMPTY},
+    GradState.ACCUMULATING_MORE: {GradState.REDUCED, GradState.EMPTY},
+}
+# Where a gradient arriving in backward takes a buffer: a first one starts accumulating; after a
+# reduction (REDUCED, or HELD from an earlier backward) it collects to be reduced and added.
+_AFTER_A_GRADIENT = {
+    GradState.EMPTY: GradState.ACCUMULATING,
+    GradState.ACCUMULATING: GradState.ACCUMULATING,
+    GradState.REDUCED: GradState.ACCUMULATING_MORE,
+    GradState.HELD: GradState.ACCUMULATING_MORE,
+    GradState.ACCUMULATING_MORE: GradState.ACCUMULATING_MORE,
+}
+
+
+class FlatGrad:
+    """The gradient half of FlatParam (see the module docstring)."""
+
+    def _init_grads(self) -> None:
+        self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
+        self.grad_shard: torch.Tensor | None = None  # this rank's reduced slice
+        self.grad_state = GradState.EMPTY
+        self.grad_version = 0  # bumped by every change to the reduced gradient (offload copies it)
+        self._pending: set[int] = set()  # parameters that have not reported in this backward
+        self.inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
+        self._late: torch.Tensor | None = None  # stages 0-1, ACCUMULATING_MORE: gradients after the reduction
+
+    def _allocate_grads(self) -> None:
+        """A trainable buffer's lasting gradient storage: the shard alone at stages 2-3 (the full
+        gradient is a temporary of each backward), else the full buffer with the shard its slice."""
+        if self.policy.shard_grads:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.precision.accumulate_dtype,
+                                          device=self.full.device)
+        else:
+            self.grad_full = torch.zeros_like(self.full)
+            self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
+        self._pending = set(self.slot_of)
+
+    def _set_grad_state(self, new: GradState) -> None:
+        self.grad_state = move(self.grad_state, new, _GRAD_MOVES, "a flat parameter's gradient")
+
+    @property
+    def reduced(self) -> bool:
+        """Reduced and up to date: in this backward (stages 2-3), in this step (stages 0-1)."""
+        return self.grad_state is GradState.REDUCED
+
+    def accumulate(self, param: nn.Parameter) -> bool:
+        """Move `param.grad` into the flat gradient buffer; True once every parameter has reported."""
+        slot = self.slot_of[id(param)]
+        grad = param.grad
+        if grad.is_sparse:
+            raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
+                             f"zeroshard reduces dense flat buffers: use sparse=False")
+        if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
+            self.grad_full = torch.zeros_like(self.full)
+        self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])
+        target = self.grad_full
+        if self.grad_state is GradState.ACCUMULATING_MORE and not self.policy.shard_grads:
+            if self._late is None:  # stages 0-1: a backward after this step's reduction
+                self._late = torch.zeros_like(self.full)
+            target = self._late
+        spec = self._spec_by_id[id(param)]
+        if spec is not None:  # a DTensor's gradient: its local shard, in the placement of the parameter
+            if tuple(grad.placements) != spec.placements:
+                grad = grad.redistribute(placements=spec.placements)
+            grad = laid_out(grad.to_local(), spec)
+        target[slot.span].add_(grad.reshape(-1))
+        param.grad = None
+        self._pending.discard(id(param))
+        return not self._pending
+
+    @property
+    def complete(self) -> bool:
+        """Has every parameter reported its gradient in this backward?"""
+        return self.trainable and not self._pending
+
+    def reduce_grads(self, async_op: bool = False) -> None:
+        """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
+        With async_op the collectives are only issued; finish_reduce() completes them."""
+        full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
+        self._grad_will_change()
+        with self.comm.about(self.label):
+            if not self.policy.shard_optimizer:
+                self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
+            else:
+                accumulate = self.policy.shard_grads and self.grad_state in (GradState.HELD,
+                                                                             GradState.ACCUMULATING_MORE)
+                chunks = self.layout.shard_chunks(self.buckets.reduce)
+                self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
+                                                                accumulate, async_op)
+        if self.policy.shard_grads:
+            self.grad_full = None  # in-flight work keeps its own reference until it completes
+        self._set_grad_state(GradState.REDUCED)
+        self._pending = set(self.slot_of)
+
+    def finish_reduce(self) -> None:
+        """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
+        complete(self.inflight)
+
+    def _grad_will_change(self) -> None:
+        if self.host is not None:
+            self.host.before_device_grad_changes()  # a download may still be reading it
+        self.grad_version += 1
+
+    def offload_grad(self) -> None:
+        """offload_optimizer: start copying the reduced gradient to the host (its reductions done)."""
+        if self.host is not None:
+            self.host.download(self.local_grad(), self.grad_version)
+
+    def local_grad(self) -> torch.Tensor:
+        """The reduced gradient of what this rank updates (all of it at stage 0)."""
+        return self.grad_shard if self.policy.shard_optimizer else self.grad_full
+
+    def attach_master_grad(self, factor: float) -> None:
+        """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
+        one multiply): an alias of the reduced gradient where possible, else a temporary copy."""
+        grad = self.local_grad() if self.host is None else self.host.grad  # fetch_grad() filled it
+        if grad.dtype != torch.float32 or grad.device != self.master.device:
+            grad = grad.to(self.master.device, torch.float32)
+        self.opt_param.grad = grad.mul_(factor) if factor != 1.0 else grad
+
+    def release_master_grad(self) -> None:
+        self.opt_param.grad = None  # a copy, if one was made, is freed here
+
+    def fetch_grad(self) -> None:
+        """offload_optimizer: wait until the host holds this step's reduced gradient."""
+        if self.host is not None:
+            self.host.host_grad(self.local_grad(), self.grad_version)
+
+    def reduce_late(self) -> None:
+        """Stages 0-1: average the gradients of a backward that came after this step's reduction
+        (zeros if none arrived here) and add them to the reduced gradient."""
+        late = self._late if self._late is not None else torch.zeros_like(self.full)
+        dtype = self.precision.reduce_dtype
+        self._grad_will_change()
+        with self.comm.about(self.label):
+            if self.policy.shard_optimizer:
+                chunks = self.layout.shard_chunks(self.buckets.reduce)
+                self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
+            else:
+                self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
+                self.grad_full.add_(late)
+        self._late = None
+        self._set_grad_state(GradState.REDUCED)
+
+    def end_backward(self) -> None:
+        """Forget which parameters reported during the backward that just ended. (At stages 0-1
+        `reduced` lasts until the step: later backwards add to it through reduce_late.)"""
+        self._pending = set(self.slot_of) if self.trainable else set()
+        if self.policy.shard_grads and self.grad_state is GradState.REDUCED:
+            self._set_grad_state(GradState.HELD)
+
+    def zero_grad(self) -> None:
+        if self.trainable:
+            self._grad_will_change()
+        if self.grad_full is not None and not self.policy.shard_grads:
+            self.grad_full.zero_()
+        elif self.grad_shard is not None:
+            self.grad_shard.zero_()
+        self._set_grad_state(GradState.EMPTY)
