@@ -41,9 +41,12 @@ def check_model(module: nn.Module, config: Config) -> None:
         raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
                          f"convert the model with model.float() (for mixed precision, keep it fp32 "
                          f"and enable \"bf16\" or \"fp16\" in the config)")
-    devices = {p.device for p in params.values()}
+    # The CPU may mix with one other device: initialize() moves CPU parameters to the group's device
+    # (tensor parallelism leaves the replicated ones on the CPU when it moves the split ones).
+    devices = {p.device for p in params.values() if p.device.type != "cpu"}
     if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"all parameters must be on one device (or the CPU), got "
+                         f"{sorted(map(str, devices))}; build the model on the CPU: initialize() moves it")
     dtype = next(iter(dtypes))
     if dtype != torch.float32 and config.precision == "fp32":
         raise ValueError(f"the parameters are {dtype} but the config trains in fp32 (it would silently "

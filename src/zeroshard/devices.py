@@ -40,7 +40,9 @@ def choose_backend(backend: str | None = None) -> str:
 
 def local_cuda_index() -> int:
     """This rank's GPU under NCCL: LOCAL_RANK, or 0 where CUDA_VISIBLE_DEVICES shows each rank one GPU.
-    Refuses more ranks on a node than GPUs (NCCL would fail with 'invalid device ordinal')."""
+    Refuses more ranks on a node than GPUs (NCCL would fail with 'invalid device ordinal'). One GPU
+    visible to several ranks through CUDA_VISIBLE_DEVICES cannot be told from a launcher that gave
+    each rank its own: every rank then takes index 0, and NCCL reports "Duplicate GPU detected"."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
     count = torch.cuda.device_count()
@@ -80,8 +82,12 @@ def _release_group() -> None:
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device a group's collectives work on, for this rank."""
-    if dist.get_backend(group) == "nccl":
+    """The device a group's collectives work on, for this rank: this rank's GPU where NCCL serves the
+    group. That is "nccl", a per-device string naming it ("cpu:gloo,cuda:nccl"), or "undefined" where
+    CUDA is available: init_process_group() without a backend (and init_device_mesh("cuda", ...),
+    which calls it so) pairs CUDA with NCCL and the CPU with gloo."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend or (backend == "undefined" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -10,6 +10,7 @@ from torch import nn
 import zeroshard
 from zeroshard import devices
 from zeroshard.app import cli
+from zeroshard.checks import check_model
 
 
 class Elsewhere(torch.Tensor):
@@ -60,6 +61,28 @@ def test_a_model_on_another_gpu_is_moved_and_another_kind_refused():
     with pytest.raises(ValueError, match=r"'1.weight' is on xpu:0, but this rank's process group works "
                                          r"on cuda:0\. Build the model on the CPU"):
         devices.check_placement(_on("xpu:0"), torch.device("cuda", 0))
+
+
+def test_cpu_parameters_may_mix_with_one_gpu_not_with_two():
+    # Tensor parallelism on CUDA moves the split parameters to the GPU and leaves the replicated
+    # ones (embeddings, norms) on the CPU: initialize() moves those, so the mix is accepted.
+    config = zeroshard.Config.load({"zero_optimization": {"stage": 3}})
+    check_model(_on("cuda:0"), config)
+    split = _on("cuda:0")
+    split[0].weight = nn.Parameter(Elsewhere((4, 4), torch.device("cuda:1")))
+    with pytest.raises(ValueError, match=r"one device \(or the CPU\), got \['cuda:0', 'cuda:1'\]"):
+        check_model(split, config)
+
+
+@pytest.mark.parametrize("backend, cuda, expected", [
+    ("nccl", True, "cuda:0"), ("cpu:gloo,cuda:nccl", True, "cuda:0"), ("gloo", True, "cpu"),
+    ("undefined", True, "cuda:0"),  # init_process_group() with no backend (init_device_mesh("cuda"))
+    ("undefined", False, "cpu")])
+def test_the_group_device_follows_the_backend(monkeypatch, backend, cuda, expected):
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert devices.group_device() == torch.device(expected)
 
 
 def test_the_process_group_keeps_a_gpu_the_user_chose(monkeypatch):

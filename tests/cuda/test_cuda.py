@@ -73,7 +73,8 @@ def _zeroshard_losses(stage: int, precision: str, build_under_init: bool = False
             assert flat.master.device.type == "cpu" and flat.host.grad.is_pinned()
             assert flat.host.staging is None or flat.host.staging.is_pinned()
         if flat.shard_on_host:
-            assert flat.shard.is_pinned() and flat.grad_shard.device == engine.device
+            assert flat.shard.is_pinned()  # (a frozen buffer has no gradient)
+            assert not flat.trainable or flat.grad_shard.device == engine.device
 
     def step(x, y, sometimes):
         loss = loss_fn(engine(x, use_sometimes=sometimes).float(), y)
@@ -115,6 +116,39 @@ def test_offload_matches_torch_on_the_gpu(nccl_group, stage, offload):
 def test_a_model_built_under_init_on_the_cpu_trains_on_the_gpu(nccl_group):
     close(_zeroshard_losses(3, "fp32", build_under_init=True), _torch_losses(amp=False),
           rtol=1e-4, atol=1e-5, what="zeroshard.init() model on cuda")
+
+
+def test_tensor_parallel_model_built_on_the_cpu_trains_on_the_gpu(nccl_group):
+    """tensor_parallel on a CUDA mesh moves the split parameters to the GPU and leaves the
+    replicated ones (embeddings, norms) on the CPU: initialize() takes the mix and moves the rest.
+    A tp mesh of one rank splits nothing, so the losses are plain torch's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroshard.app.gpt import GPT, GPTConfig, lm_loss
+    cfg = GPTConfig(seq_len=16, layers=2, width=32, heads=2)
+    x, y = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))
+    losses = {}
+    for name in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if name == "torch":
+            model.cuda()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            forward, step = model, [lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad())]
+        else:
+            mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
+            zeroshard.tensor_parallel(model, mesh["tp"])
+            assert {p.device.type for p in model.parameters()} == {"cpu", "cuda"}
+            engine = zeroshard.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                          {"zero_optimization": {"stage": 3}}, mesh=mesh)
+            forward, step = engine, [engine.backward, engine.step]
+        losses[name] = []
+        for _ in range(4):
+            loss = lm_loss(forward(x.cuda()), y.cuda())
+            step[0](loss)
+            step[1]()
+            losses[name].append(loss.item())
+    close(losses["zeroshard"], losses["torch"], rtol=1e-4, atol=1e-5, what="tp model on cuda")
 
 
 def test_under_the_cuda_sanitizer():
