@@ -32,6 +32,7 @@ from .parallel.activations import CheckpointStore, checkpoint_units
 from .parallel.dtensor import point
 from .parallel.mesh import Axes, attach_tp
 from .reduce import GradientReducer
+from .schedules import scheduler_factory
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
 from .states import move
@@ -103,10 +104,7 @@ class Engine(EngineState):
         probe = build_optimizer(optimizer, config, stand_ins)
         if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
             self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)
-        if hasattr(lr_scheduler, "state_dict"):
-            raise TypeError("lr_scheduler must be a callable optimizer -> scheduler (e.g. lambda opt: "
-                            "StepLR(opt, 10)): a scheduler instance was built over another optimizer, "
-                            "not over engine.optimizer, and would change nothing")
+        lr_scheduler = scheduler_factory(lr_scheduler, config.scheduler)
         materialize_(deferred_non_parameters(module), module)  # buffers are replicated: all at once
         # Parameters move to the group's device unit by unit, as their flat buffers are built.
         self._moved_buffers = move_buffers(module, comm.device)

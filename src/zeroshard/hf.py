@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -42,4 +43,6 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's context ({context}) in '{file}'")
     if getattr(config, "vocab_size", 256) < 256:
         raise ValueError(f"'{file}' has vocab_size {config.vocab_size}; byte-level data needs >= 256")
-    return AutoModelForCausalLM.from_config(config)
+    # fp32 weights whatever the file's dtype (real configs say "bfloat16"): --precision decides what
+    # the model computes in, and the masters start from full-precision initial values.
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

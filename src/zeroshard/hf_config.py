@@ -58,9 +58,6 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
                    custom_optimizer: bool = False) -> dict[str, Any]:
     """The config ZeroTrainer gives initialize(): `source` with TrainingArguments filled in."""
     raw = _load(source)
-    if "scheduler" in raw:
-        raise ConfigError("zero_config has a \"scheduler\" section: ZeroTrainer takes the learning-rate "
-                          "schedule from TrainingArguments (lr_scheduler_type, warmup_steps); remove it")
     for key, (name, read) in _SHARED.items():
         value = _get(raw, key)
         if value is not None and not _is_auto(value) and value != read(args):
@@ -93,9 +90,41 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
         raise ConfigError(f"TrainingArguments.optim={optim!r} is not an optimizer zeroshard can run over "
                           f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
                           f"zero_config, or optimizer_cls_and_kwargs=(an elementwise optimizer, kwargs)")
+    schedule = cfg.pop("scheduler", None)  # Trainer steps it, once it knows the steps (fill_scheduler)
     _drop_auto(cfg, "")
     Config.load(cfg)  # refuse a bad key now, not at the first training step
+    if schedule is not None:
+        fill_scheduler(schedule, args, steps=None)  # likewise; the number of steps comes later
+        cfg["scheduler"] = schedule
     return cfg
+
+
+# "auto" in the scheduler section's params, as DeepSpeed's Hugging Face integration fills them:
+# (what TrainingArguments calls it, its value given the number of training steps)
+_SCHEDULER_AUTO: dict[str, tuple[str, Callable[[Any, int], Any]]] = {
+    "warmup_min_lr": ("(no counterpart: 0)", lambda a, n: 0.0),
+    "warmup_max_lr": ("learning_rate", lambda a, n: a.learning_rate),
+    "warmup_num_steps": ("get_warmup_steps()", lambda a, n: a.get_warmup_steps(n)),
+    "total_num_steps": ("the training steps", lambda a, n: n),
+}
+
+
+def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
+    """The "scheduler" section as a SchedulerConfig for `steps` training steps: "auto" takes the
+    TrainingArguments value; any other value must equal it (warmup_min_lr excepted). With steps
+    None (not known yet), what depends on them is only checked for type."""
+    section = copy.deepcopy(section)
+    params = section.get("params") if isinstance(section, dict) else None
+    for key, value in list(params.items()) if isinstance(params, dict) else []:
+        if key in _SCHEDULER_AUTO:
+            name, read = _SCHEDULER_AUTO[key]
+            known = steps is not None or key == "warmup_max_lr"
+            if _is_auto(value):
+                params[key] = read(args, steps) if known else 1
+            elif known and key != "warmup_min_lr" and value != read(args, steps):
+                raise ConfigError(f"zero_config 'scheduler.params.{key}' is {value!r} but TrainingArguments "
+                                  f"{name} is {read(args, steps)!r}: make them equal, or write \"auto\"")
+    return Config.load({"scheduler": section}).scheduler
 
 
 def _load(source: "dict | str | os.PathLike | Config | None") -> dict[str, Any]:

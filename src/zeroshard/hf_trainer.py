@@ -10,6 +10,7 @@ gradients are routed to the engine, through the smallest set of overrides:
   create_optimizer  builds the engine (once per model) and gives Trainer `_EngineOptimizer`, whose
                     step() is engine.step(); the lr scheduler Trainer builds over it moves the engine
                     optimizer's own param_groups;
+  create_scheduler  zero_config's DeepSpeed "scheduler" section, if any, "auto" filled (schedules.py);
   _wrap_model       returns `_EngineModule` (the engine as an nn.Module) instead of DDP, for training
                     and evaluation alike (stage 3 needs the engine's forward to gather parameters);
   training_step     Trainer's own, with its one accelerator.backward(loss) call sent to engine.backward;
@@ -38,11 +39,12 @@ except ImportError:  # transformers is optional: pip install 'zeroshard[hf]'
     raise ImportError("zeroshard.hf.ZeroTrainer needs transformers and accelerate: "
                       "pip install 'zeroshard[hf]'") from None
 
-from . import initialize
+from . import ensure_process_group, initialize, rank_and_world_size
 from .config import Config
 from .config.sections import OPTIMIZERS
 from .engine import Engine
-from .hf_config import check_arguments, resolve_config
+from .hf_config import check_arguments, fill_scheduler, resolve_config
+from .schedules import DeepSpeedSchedule
 
 _STATE_DIR = "zeroshard"  # the engine's sharded checkpoint, inside Trainer's checkpoint-N folder
 _SHARDED_STATE = ("zeroshard's optimizer state is sharded across ranks: ZeroTrainer saves and loads it "
@@ -143,8 +145,11 @@ class ZeroTrainer(Trainer):
                              "zero_config an \"optimizer\" section")
         custom = self.optimizer_cls_and_kwargs is not None
         self._engine_config = resolve_config(zero_config, self.args, custom_optimizer=custom)
+        # DeepSpeed's "scheduler" section: Trainer steps it (not the engine), as DeepSpeed's own would be
+        self._schedule = self._engine_config.pop("scheduler", None)
         if self.args.n_gpu > 1:  # one process seeing several GPUs: zeroshard runs one rank, on one GPU
             self.args._n_gpu = 1   # (as Trainer does for model parallelism); launch torchrun for more
+            self._train_batch_size = self.args.train_batch_size  # Trainer multiplied it by the GPU count
 
     # ---- the engine ---------------------------------------------------------------------------------
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -174,6 +179,15 @@ class ZeroTrainer(Trainer):
             else:  # the user's optimizer_cls_and_kwargs: initialize refuses a non-elementwise one
                 optimizer = lambda params: cls(params, **options)
             groups[0]["weight_decay"] = self.args.weight_decay
+        # The group on the device TrainingArguments chose (gloo for use_cpu, even with a GPU present),
+        # over the processes accelerate counted: torchrun on the CPU without use_cpu leaves accelerate
+        # with one process per rank, each of which would read the same batches.
+        ensure_process_group(backend="gloo" if self.args.device.type == "cpu" else None)
+        ranks = rank_and_world_size()[1]
+        if ranks != self.args.world_size:
+            raise ValueError(f"zeroshard's process group has {ranks} ranks but TrainingArguments sees "
+                             f"{self.args.world_size} process(es), so each rank would train on the same "
+                             f"batches: on the CPU pass TrainingArguments(use_cpu=True) under torchrun")
         engine = initialize(model, optimizer, config, param_groups=groups)
         want = torch.device(self.args.device)
         if want.type != engine.device.type or (want.type != "cpu" and want.index != engine.device.index):
@@ -181,6 +195,16 @@ class ZeroTrainer(Trainer):
                                f"works on {engine.device}: on GPUs run one NCCL rank per GPU (torchrun); "
                                f"on the CPU pass TrainingArguments(use_cpu=True)")
         return engine
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """zero_config's "scheduler" section (DeepSpeed's schedule, its "auto" values filled for these
+        steps) where there is one; otherwise Trainer's, from lr_scheduler_type."""
+        if self._schedule is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        section = fill_scheduler(self._schedule, self.args, num_training_steps)
+        self.lr_scheduler = DeepSpeedSchedule(optimizer or self.optimizer, section)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """The engine, for training and evaluation alike; never DDP or DataParallel."""

@@ -242,6 +242,15 @@ def keep_rng():
     torch.random.set_rng_state(torch_state)
 
 
+@pytest.fixture
+def own_group():
+    """A test that trains here starts a world of one (initialize does); later modules start their own."""
+    import torch.distributed as dist
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _trainer(tmp_path, zero_config=None, **overrides):
     from zeroshard.hf import ZeroTrainer
     args = _args(str(tmp_path), eval_strategy="no", **overrides)
@@ -257,7 +266,9 @@ def _trainer(tmp_path, zero_config=None, **overrides):
     ({"train_micro_batch_size_per_gpu": 8}, {}, ["'train_micro_batch_size_per_gpu' is 8",
                                                   "per_device_train_batch_size is 3"]),
     ({"train_batch_size": 12}, {}, ["'train_batch_size' is 12", "x world size is 6"]),
-    ({"scheduler": {"type": "WarmupLR"}}, {}, ["\"scheduler\" section", "lr_scheduler_type"]),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}}, {},
+     ["'scheduler.params.warmup_max_lr' is 0.1", "TrainingArguments learning_rate is 0.005"]),
+    ({"scheduler": {"type": "OneCycle"}}, {}, ["'scheduler.type' is 'OneCycle'", "WarmupDecayLR"]),
     ({"zeroshard": {"delayed_param_update": True}}, {}, ["delayed_param_update"]),
     ({}, {"optim": "adafactor"}, ["optim='adafactor'", "adamw_torch"]),
     ({"zero_optimization": {"stage": 5}}, {}, ["zero_optimization.stage"]),
@@ -313,6 +324,96 @@ def test_a_checkpoint_without_zeroshard_state_is_refused(tmp_path, keep_rng):
     other.mkdir()
     with pytest.raises(ValueError, match="holds no zeroshard state"):
         _trainer(tmp_path).train(resume_from_checkpoint=str(other))
+
+
+def test_a_deepspeed_scheduler_section_runs_as_in_deepspeed(tmp_path, keep_rng, own_group):
+    # Hugging Face's DeepSpeed configs carry a "scheduler" section with "auto" values. DeepSpeed's
+    # WarmupDecayLR over 6 steps, warming up (logarithmically) over 2; Trainer logs the lr each step
+    # used. DeepSpeed's step s uses its iteration s - 2 (it sets iteration -1 when built, and steps
+    # after each update): warmup_min_lr (0), then log(1) = 0 of the warm-up, the peak at iteration
+    # 1, then the linear decay (6 - i) / (6 - 2) of the peak.
+    from zeroshard.hf import ZeroTrainer
+    args = _args(str(tmp_path), eval_strategy="no", max_steps=6, warmup_steps=2, max_grad_norm=0.0)
+    autos = dict.fromkeys(("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), "auto")
+    config = {"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupDecayLR", "params": autos}}
+    trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 36, 0),
+                          zero_config=config)
+    trainer.train()
+    close(_logged(trainer)["learning_rate"], [0.0, 0.0, 5e-3, 5e-3, 3.75e-3, 2.5e-3], rtol=1e-12, atol=1e-15,
+          what="WarmupDecayLR's learning rates")
+    assert trainer.engine.global_steps == 6
+
+
+HF_ZERO3 = {  # Hugging Face's documented ZeRO-3 DeepSpeed config, as users paste it
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+
+
+def test_hugging_faces_own_zero3_config_trains_as_written(tmp_path, keep_rng, own_group):
+    from zeroshard.hf import ZeroTrainer
+    args = _args(str(tmp_path), eval_strategy="no", max_steps=3, warmup_steps=2)
+    trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 24, 0),
+                          zero_config=HF_ZERO3)
+    trainer.train()
+    assert trainer.engine.global_steps == 3 and trainer.engine.config.precision == "fp32"
+    assert trainer.engine.precision.offload and trainer.engine.precision.offload_params
+    assert _logged(trainer)["learning_rate"] == [0.0, 0.0, 5e-3]  # WarmupLR: DeepSpeed's first steps
+
+
+def test_one_process_seeing_several_gpus_keeps_its_micro_batch(tmp_path, keep_rng):
+    # Trainer sizes its batches by per_device_train_batch_size x n_gpu (DataParallel); zeroshard runs
+    # one rank per process, so the batch stays the per-device one.
+    from zeroshard.hf import ZeroTrainer
+    args = _args(str(tmp_path), eval_strategy="no")
+    args._n_gpu = 2  # as on a machine where one process sees two GPUs
+    trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 12, 0))
+    assert trainer.args.n_gpu == 1 and trainer._train_batch_size == 3
+    assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape[0] == 3
+
+
+def test_the_group_matches_the_processes_trainer_counts(tmp_path, keep_rng, own_group, monkeypatch):
+    from zeroshard import hf_trainer
+    started = []
+
+    def stop(backend=None):
+        started.append(backend)
+        raise InterruptedError
+    monkeypatch.setattr(hf_trainer, "ensure_process_group", stop)
+    with pytest.raises(InterruptedError):  # use_cpu: gloo, even where CUDA would make NCCL the default
+        _trainer(tmp_path).train()
+    assert started == ["gloo"]
+    monkeypatch.undo()
+    # torchrun on the CPU without use_cpu: two ranks, but accelerate counts one process each
+    monkeypatch.setattr(hf_trainer, "rank_and_world_size", lambda: (0, 2))
+    with pytest.raises(ValueError, match="process group has 2 ranks but TrainingArguments sees 1 "
+                                         r"process\(es\).*use_cpu=True"):
+        _trainer(tmp_path).train()
+
+
+def test_a_bfloat16_config_json_builds_fp32_weights(tmp_path):
+    # Real configs record "torch_dtype": "bfloat16"; --precision decides the compute dtype instead.
+    import json
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "torch_dtype": "bfloat16", "vocab_size": 256,
+                                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "max_position_embeddings": 64}))
+    from zeroshard.hf import causal_lm_from_config
+    model = causal_lm_from_config(str(path), seq_len=32)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_importing_zeroshard_does_not_import_transformers():

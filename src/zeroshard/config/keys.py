@@ -12,13 +12,15 @@ from typing import Any, Callable
 import torch
 
 from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
+from .activation_keys import activations
+from .scheduler_keys import scheduler
 from .values import as_bool, as_dict, as_int, as_number, refuse_auto, refuse_true
-from .sections import (DTYPES, OPTIMIZERS, ActivationConfig, ConfigError, OptimizerConfig, ScalerConfig,
+from .sections import (DTYPES, OPTIMIZERS, ConfigError, OptimizerConfig, ScalerConfig,
                        Settings, ZeroConfig)
 
 # DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
 NOT_IMPLEMENTED_TOP = {
-    "scheduler", "amp", "flops_profiler", "tensorboard", "wandb",
+    "amp", "flops_profiler", "tensorboard", "wandb",
     "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
     "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "prescale_gradients",
@@ -26,14 +28,22 @@ NOT_IMPLEMENTED_TOP = {
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
 _NOT_IMPLEMENTED_ZERO = {
-    "cpu_offload", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
-    "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "zero_hpz_partition_size",
+    "cpu_offload", "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
+    "zero_hpz_partition_size",
     "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
     "legacy_stage1", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
     "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
     "log_trace_cache_warnings", "stage3_module_granularity_threshold",
 }
+
+
+# DeepSpeed zero_optimization keys whose effect zeroshard always has, or that only tune DeepSpeed's own
+# parameter cache: gradients are always contiguous; saving always gathers full weights; a unit is
+# kept gathered exactly when backward needs it first.
+_COMPATIBLE: dict[str, Callable[[str, Any], Any]] = {
+    "contiguous_gradients": as_bool, "stage3_max_reuse_distance": lambda name, v: as_int(name, v, 0),
+    **dict.fromkeys(("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                     "gather_16bit_weights_on_model_save"), as_bool)}
 
 
 def _zero(cfg: Settings, value: Any) -> None:
@@ -52,8 +62,8 @@ def _zero(cfg: Settings, value: Any) -> None:
             setattr(z, key, as_int(name, v, 0))
         elif key == "sub_group_size":
             z.sub_group_size = as_int(name, v, 1)
-        elif key == "contiguous_gradients":
-            z.contiguous_gradients = as_bool(name, v)
+        elif key in _COMPATIBLE:  # checked, with nothing to change here (docs/configuration.md)
+            _COMPATIBLE[key](name, v)
         elif key == "offload_optimizer":
             _offload(cfg, v, "offload_optimizer")
         elif key == "offload_param":
@@ -69,7 +79,7 @@ def _zero(cfg: Settings, value: Any) -> None:
                               f"implement yet; remove it")
         else:
             accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
-            accepted += ["offload_optimizer", "offload_param"]
+            accepted += ["offload_optimizer", "offload_param", *_COMPATIBLE]
             raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
 
 
@@ -257,33 +267,11 @@ def _unit_modules(v: Any) -> list[str] | None:
                       f"of module class names, got {v!r}")
 
 
-_ACTIVATION_FLAGS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
-_ACTIVATION_ACCEPTED = (*_ACTIVATION_FLAGS, "number_checkpoints", "synchronize_checkpoint_boundary",
-                        "profile")
-
-
-def _activations(cfg: Settings, value: Any) -> None:
-    """The section turns on per-unit checkpointing (DeepSpeed's model calls its checkpoint function
-    itself; here every unit is checkpointed). synchronize_checkpoint_boundary and profile are
-    accepted: they only time and synchronize in DeepSpeed."""
-    act = ActivationConfig()
-    for key, v in as_dict("activation_checkpointing", value).items():
-        name = f"activation_checkpointing.{key}"
-        if key in _ACTIVATION_FLAGS:
-            setattr(act, key, as_bool(name, v))
-        elif key == "number_checkpoints":
-            act.number_checkpoints = None if v is None else as_int(name, v, 1)
-        elif key in ("synchronize_checkpoint_boundary", "profile"):
-            as_bool(name, v)
-        else:
-            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ACTIVATION_ACCEPTED)}")
-    cfg.activations = act
-
-
 TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "zero_optimization": _zero,
     "aio": aio,
     "optimizer": _optimizer,
+    "scheduler": scheduler,
     "train_batch_size": _set_int("train_batch_size", 1),
     "train_micro_batch_size_per_gpu": _set_int("train_micro_batch_size_per_gpu", 1),
     "gradient_accumulation_steps": _set_int("gradient_accumulation_steps", 1),
@@ -294,5 +282,5 @@ TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "bf16": _bf16,
     "communication_data_type": _communication_dtype,
     "zeroshard": _zeroshard,
-    "activation_checkpointing": _activations,
+    "activation_checkpointing": activations,
 }

@@ -35,7 +35,6 @@ class ZeroConfig:
     stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
     stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
     sub_group_size: int = 100_000_000          # the step's owned elements at once (DeepSpeed's default: 1e9)
-    contiguous_gradients: bool = True          # always true here: gradients live in flat buffers
     overlap_comm: bool = True                  # on at every stage, as DDP overlaps (DeepSpeed: stage 3 only)
     reduce_scatter: bool = True
     allgather_partitions: bool = True
@@ -84,6 +83,14 @@ class ScalerConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """`scheduler`: one of DeepSpeed's warm-up schedules by name, with its params (schedules.py)."""
+
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class ActivationConfig:
     """`activation_checkpointing` (ZeRO-R): each unit (block) keeps only its input and recomputes in
     backward; the input is split over the tp ranks (P_a), kept on the host (P_a+cpu), and written
@@ -109,6 +116,7 @@ class Settings:
     steps_per_print: int = 0                   # log a line every this many steps (0: never)
     precision: str = "fp32"                    # "fp32", "bf16" or "fp16" (from the bf16/fp16 sections)
     scaler: ScalerConfig | None = None         # fp16 loss scaling
+    scheduler: SchedulerConfig | None = None   # a DeepSpeed lr schedule the engine builds and steps
     communication_data_type: str | None = None  # gradient reduction dtype; None: the compute dtype
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
     defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
