@@ -132,6 +132,7 @@ class ZeroTrainer(Trainer):
                  zero_config: "dict | str | os.PathLike | Config | None" = None, **kwargs: Any) -> None:
         self.engine: Engine | None = None
         self._wrapped: _EngineModule | None = None
+        self._flop_params: int | None = None  # counted before stage 3 leaves the module's tensors empty
         if args is not None:
             check_arguments(args)  # before Trainer sets up a DeepSpeed or FSDP plugin from them
         super().__init__(model, args, *rest, **kwargs)
@@ -183,6 +184,8 @@ class ZeroTrainer(Trainer):
         # over the processes accelerate counted: torchrun on the CPU without use_cpu leaves accelerate
         # with one process per rank, each of which would read the same batches.
         ensure_process_group(backend="gloo" if self.args.device.type == "cpu" else None)
+        count = getattr(model, "num_parameters", None)
+        self._flop_params = count(exclude_embeddings=True) if callable(count) else None
         ranks = rank_and_world_size()[1]
         if ranks != self.args.world_size:
             raise ValueError(f"zeroshard's process group has {ranks} ranks but TrainingArguments sees "
@@ -205,6 +208,14 @@ class ZeroTrainer(Trainer):
         self.lr_scheduler = DeepSpeedSchedule(optimizer or self.optimizer, section)
         self._created_lr_scheduler = True
         return self.lr_scheduler
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """Trainer's estimate (6 x tokens x non-embedding parameters), with the parameters counted
+        when the engine was built: at stage 3 the module's own are empty placeholders."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if self._flop_params is None or main_input not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main_input].numel() * self._flop_params
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """The engine, for training and evaluation alike; never DDP or DataParallel."""

@@ -372,6 +372,9 @@ def test_hugging_faces_own_zero3_config_trains_as_written(tmp_path, keep_rng, ow
     assert trainer.engine.global_steps == 3 and trainer.engine.config.precision == "fp32"
     assert trainer.engine.precision.offload and trainer.engine.precision.offload_params
     assert _logged(trainer)["learning_rate"] == [0.0, 0.0, 5e-3]  # WarmupLR: DeepSpeed's first steps
+    # Trainer's flops: 6 x tokens (3 steps x 2 micro-batches x 3 x 8) x non-embedding parameters,
+    # counted although stage 3 left the module's tensors empty
+    assert trainer.state.total_flos == 6 * 144 * _model("bert").num_parameters(exclude_embeddings=True)
 
 
 def test_one_process_seeing_several_gpus_keeps_its_micro_batch(tmp_path, keep_rng):
