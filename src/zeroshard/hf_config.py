@@ -104,7 +104,7 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
 _SCHEDULER_AUTO: dict[str, tuple[str, Callable[[Any, int], Any]]] = {
     "warmup_min_lr": ("(no counterpart: 0)", lambda a, n: 0.0),
     "warmup_max_lr": ("learning_rate", lambda a, n: a.learning_rate),
-    "warmup_num_steps": ("get_warmup_steps()", lambda a, n: a.get_warmup_steps(n)),
+    "warmup_num_steps": ("get_warmup_steps() (at least 1)", lambda a, n: max(1, a.get_warmup_steps(n))),
     "total_num_steps": ("the training steps", lambda a, n: n),
 }
 

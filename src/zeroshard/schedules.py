@@ -55,6 +55,14 @@ class DeepSpeedSchedule(LRScheduler):
             self.max_lrs = _per_group(p.get("warmup_max_lr", default_max), groups)
         super().__init__(optimizer)
 
+    def state_dict(self) -> dict:
+        """Only the position, as DeepSpeed saves only its iteration: a resumed run follows its own
+        config's schedule (a longer total_num_steps, say), not the one it was saved with."""
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count, "_last_lr": self._last_lr}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.__dict__.update({k: state_dict[k] for k in ("last_epoch", "_step_count", "_last_lr")})
+
     def _warmed(self, iteration: int) -> float:
         """The warm-up's progress, 0 to 1, at `iteration` (< warmup)."""
         return math.log(iteration + 1) / math.log(self.warmup) if self.log_warmup else iteration / self.warmup

@@ -52,6 +52,32 @@ def test_the_engine_builds_and_steps_the_section(one_process_group):
         zeroshard.initialize(torch.nn.Linear(4, 2), config=config, lr_scheduler=lambda opt: None)
 
 
+def test_a_resumed_run_follows_its_own_config(one_process_group, tmp_path):
+    # Saved 2 steps into WarmupDecayLR over 4 steps, resumed with 10: the position is restored, the
+    # schedule is the new config's (DeepSpeed saves only its iteration). Warm-up: linear over 2.
+    def engine(total: int):
+        torch.manual_seed(0)
+        section = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1.0, "warmup_num_steps": 2,
+                                                       "warmup_type": "linear", "total_num_steps": total}}
+        config = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+                  "scheduler": section}
+        return zeroshard.initialize(torch.nn.Linear(4, 2), config=config)
+
+    def steps(e, n: int) -> list[float]:
+        rates = []
+        for _ in range(n):
+            rates.append(e.optimizer.param_groups[0]["lr"])
+            e.backward(e(torch.ones(3, 4)).sum())
+            e.step()
+        return rates
+    first = engine(4)
+    assert steps(first, 2) == [0.0, 0.0]
+    first.save_checkpoint(str(tmp_path))
+    resumed = engine(10)
+    resumed.load_checkpoint(str(tmp_path))
+    assert steps(resumed, 4) == pytest.approx([0.5, 1.0, 7 / 8, 6 / 8])  # (total - i) / (total - 2)
+
+
 @pytest.mark.parametrize("section, words", [
     ({"type": "OneCycle"}, "'scheduler.type' is 'OneCycle'; zeroshard runs DeepSpeed's WarmupLR"),
     ({"type": "WarmupDecayLR"}, "'scheduler.params.total_num_steps' is required by WarmupDecayLR"),

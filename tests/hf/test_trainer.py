@@ -365,13 +365,15 @@ HF_ZERO3 = {  # Hugging Face's documented ZeRO-3 DeepSpeed config, as users past
 
 def test_hugging_faces_own_zero3_config_trains_as_written(tmp_path, keep_rng, own_group):
     from zeroshard.hf import ZeroTrainer
-    args = _args(str(tmp_path), eval_strategy="no", max_steps=3, warmup_steps=2)
+    args = _args(str(tmp_path), eval_strategy="no", max_steps=3, warmup_steps=0)  # TrainingArguments' default
     trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 24, 0),
                           zero_config=HF_ZERO3)
     trainer.train()
     assert trainer.engine.global_steps == 3 and trainer.engine.config.precision == "fp32"
     assert trainer.engine.precision.offload and trainer.engine.precision.offload_params
-    assert _logged(trainer)["learning_rate"] == [0.0, 0.0, 5e-3]  # WarmupLR: DeepSpeed's first steps
+    # WarmupLR with no warm-up: "auto" takes 1 step (DeepSpeed refuses 0), which DeepSpeed raises to
+    # 2: warmup_min_lr (0) first, then log(1) = 0, then the peak
+    assert _logged(trainer)["learning_rate"] == [0.0, 0.0, 5e-3]
     # Trainer's flops: 6 x tokens (3 steps x 2 micro-batches x 3 x 8) x non-embedding parameters,
     # counted although stage 3 left the module's tensors empty
     assert trainer.state.total_flos == 6 * 144 * _model("bert").num_parameters(exclude_embeddings=True)
