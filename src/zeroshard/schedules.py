@@ -51,8 +51,8 @@ class DeepSpeedSchedule(LRScheduler):
             self.min_ratio, self.cos_min = p.get("warmup_min_ratio", 0.0), p.get("cos_min_ratio", 1e-4)
         else:
             default_max = 0.001 if self.kind == "WarmupDecayLR" else [g["lr"] for g in optimizer.param_groups]
-            self.min_lrs = _per_group(p.get("warmup_min_lr", 0.0), groups)
-            self.max_lrs = _per_group(p.get("warmup_max_lr", default_max), groups)
+            self.min_lrs = _per_group("warmup_min_lr", p.get("warmup_min_lr", 0.0), groups)
+            self.max_lrs = _per_group("warmup_max_lr", p.get("warmup_max_lr", default_max), groups)
         super().__init__(optimizer)
 
     def state_dict(self) -> dict:
@@ -90,8 +90,9 @@ class DeepSpeedSchedule(LRScheduler):
         return max(0.0, self.cos_min + (1.0 - self.cos_min) * (1 + math.cos(math.pi * progress)) / 2)
 
 
-def _per_group(value: float | list[float], groups: int) -> list[float]:
+def _per_group(key: str, value: float | list[float], groups: int) -> list[float]:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * groups
     if len(values) != groups:
-        raise ValueError(f"the scheduler gives {len(values)} learning rates for {groups} parameter groups")
+        raise ConfigError(f"config key 'scheduler.params.{key}' gives {len(values)} learning rates for "
+                          f"{groups} parameter groups: give one number, or one per group")
     return [float(v) for v in values]

@@ -50,6 +50,10 @@ def test_the_engine_builds_and_steps_the_section(one_process_group):
     assert rates == [0.0, 0.0, 0.5, 1.0]  # warmup_max_lr: the optimizer's lr
     with pytest.raises(zeroshard.ConfigError, match=r"\"scheduler\" section and initialize\(\) got"):
         zeroshard.initialize(torch.nn.Linear(4, 2), config=config, lr_scheduler=lambda opt: None)
+    config["scheduler"]["params"]["warmup_max_lr"] = [1.0, 0.5]  # one per group: there is one group
+    with pytest.raises(zeroshard.ConfigError, match="'scheduler.params.warmup_max_lr' gives 2 learning "
+                                                    "rates for 1 parameter groups"):
+        zeroshard.initialize(torch.nn.Linear(4, 2), config=config)
 
 
 def test_a_resumed_run_follows_its_own_config(one_process_group, tmp_path):
