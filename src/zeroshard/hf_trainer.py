@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from typing import Any
 
 import torch
@@ -123,6 +124,13 @@ class _EngineOptimizer(torch.optim.Optimizer):
         raise RuntimeError(_SHARDED_STATE)
 
 
+def _generate_on_every_rank(model: nn.Module, *args: Any, synced_gpus: bool = True, **kwargs: Any) -> Any:
+    """model.generate at stage 3 over several ranks: each forward all-gathers, so every rank must
+    run it; generation goes on until every rank is done (transformers does this by itself for
+    DeepSpeed ZeRO-3 and FSDP). A rank stopping alone would leave the others' gathers unanswered."""
+    return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)
+
+
 class ZeroTrainer(Trainer):
     """transformers.Trainer on zeroshard: `zero_config` is a zeroshard/DeepSpeed config (dict, JSON
     path or zeroshard.Config). Its "auto" values take the TrainingArguments value; a value that
@@ -192,6 +200,8 @@ class ZeroTrainer(Trainer):
                              f"{self.args.world_size} process(es), so each rank would train on the same "
                              f"batches: on the CPU pass TrainingArguments(use_cpu=True) under torchrun")
         engine = initialize(model, optimizer, config, param_groups=groups)
+        if engine.policy.shard_params and ranks > 1 and callable(getattr(model, "generate", None)):
+            model.generate = types.MethodType(_generate_on_every_rank, model)
         want = torch.device(self.args.device)
         if want.type != engine.device.type or (want.type != "cpu" and want.index != engine.device.index):
             raise RuntimeError(f"TrainingArguments put the inputs on {want}, but zeroshard's process group "

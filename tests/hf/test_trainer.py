@@ -113,6 +113,11 @@ def _two_ranks(rank: int, world_size: int, out: str) -> None:
                     results[kind, "loaded_dtype"] = next(loaded.parameters()).dtype
                     if kind == "gpt2":
                         results[kind, "tied"] = loaded.lm_head.weight is loaded.transformer.wte.weight
+                if kind == "gpt2":  # ranks that stop at different lengths: every forward still gathers
+                    trainer.model.eval()
+                    ids = trainer.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2 + 3 * rank,
+                                                 do_sample=False, pad_token_id=0)
+                    results["generated"] = ids.shape[1]
     # The seed replication's config as written: stage 3, offload, no batch keys. And an "optimizer"
     # section, which wins over TrainingArguments.optim (its "auto" lr takes learning_rate).
     train = _data("bert", 36, seed=1)
@@ -167,6 +172,7 @@ def test_matches_trainer_ddp(runs):
 
 def test_save_model_is_an_ordinary_checkpoint(runs):
     out, results = runs
+    assert results["generated"] == 3 + 2  # rank 0's own length, after waiting for rank 1's 3 + 5
     for kind in ("bert", "gpt2"):
         loaded, full = results[kind, "loaded"], results[kind, 3]["weights"]
         assert results[kind, "loaded_dtype"] == torch.float32
