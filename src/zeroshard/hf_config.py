@@ -61,9 +61,7 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
     for key, (name, read) in _SHARED.items():
         value = _get(raw, key)
         if value is not None and not _is_auto(value) and value != read(args):
-            raise ConfigError(f"zero_config '{key}' is {value!r} but TrainingArguments {name} is "
-                              f"{read(args)!r}: make them equal, or write \"auto\" in zero_config to take "
-                              f"the TrainingArguments value")
+            raise _contradiction(key, value, name, read(args))
     if _get(raw, "zeroshard.delayed_param_update"):
         raise ConfigError("zero_config 'zeroshard.delayed_param_update' cannot be used with ZeroTrainer: "
                           "Trainer steps the lr schedule right after the optimizer step, while the delayed "
@@ -122,9 +120,15 @@ def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
             if _is_auto(value):
                 params[key] = read(args, steps) if known else 1
             elif known and key != "warmup_min_lr" and value != read(args, steps):
-                raise ConfigError(f"zero_config 'scheduler.params.{key}' is {value!r} but TrainingArguments "
-                                  f"{name} is {read(args, steps)!r}: make them equal, or write \"auto\"")
+                raise _contradiction(f"scheduler.params.{key}", value, name, read(args, steps))
     return Config.load({"scheduler": section}).scheduler
+
+
+def _contradiction(key: str, value: Any, name: str, expected: Any) -> ConfigError:
+    """A zero_config value that contradicts TrainingArguments, both named."""
+    return ConfigError(f"zero_config '{key}' is {value!r} but TrainingArguments {name} is {expected!r}: "
+                       f"make them equal, or write \"auto\" in zero_config to take the TrainingArguments "
+                       f"value")
 
 
 def _load(source: "dict | str | os.PathLike | Config | None") -> dict[str, Any]:
