@@ -248,7 +248,7 @@ class ZeroTrainer(Trainer):
         """Known only once engine.step() ran: see _maybe_log_save_evaluate."""
 
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kw: Any) -> None:
-        # The norm the engine measured in its last step (None when neither clipping nor fp16 needed it).
+        # The global gradient norm the engine measured in its last step (clipping or not).
         super()._maybe_log_save_evaluate(tr_loss, self.engine.last_grad_norm, *args, **kw)
 
     # ---- saving and resuming ------------------------------------------------------------------------

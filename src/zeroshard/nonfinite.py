@@ -2,10 +2,10 @@
 
 fp16 has its loss scaler, which skips overflowing steps. bf16 and fp32 have nothing, so one NaN would
 silently spread into every weight. At each optimizer step the guard decides, identically on every
-rank: when gradient clipping is on, the global norm's all-reduce already carries the answer (a
-non-finite element makes the norm non-finite everywhere); otherwise one 4-byte flag is all-reduced
-(counted in the step's traffic). Stage 0 needs no collective: its reduced gradients are the same on
-every rank. A non-finite loss is folded into the same flag (it is local to the rank that computed it).
+rank: the global gradient norm, measured at every step (one 4-byte all-reduce, counted in the step's
+traffic), carries the answer, since a non-finite element makes the norm non-finite everywhere. Stage 0
+needs no collective: its reduced gradients are the same on every rank. A non-finite loss is folded
+into the same norm (it is local to the rank that computed it).
 
 Then `zeroshard.on_nonfinite` decides: "raise" (the default) names the step, the first unit and
 parameter (in the model's order) with a non-finite gradient element and the ranks whose loss was
@@ -48,23 +48,6 @@ class NonFiniteGuard:
             squares = squares + torch.where(self._bad_loss.to(squares.device) > 0, math.inf, 0.0)
         return squares
 
-    def flag(self, trainable: list[FlatParam], sharded: bool) -> bool:
-        """Without clipping: is any gradient element (or any loss) non-finite, on any rank?
-
-        Each buffer's sum answers it in one read (NaN and inf propagate through a sum), ~20x faster
-        than an isfinite() mask. Only finite elements summing past fp32's range (~3e38) would also
-        answer yes; `handle` then finds no element and says the sum overflowed."""
-        device = self.comm.device
-        sums = [f.local_grad().sum(dtype=torch.float32).to(device) for f in trainable]
-        sums = torch.stack(sums) if sums else torch.zeros(1, device=device)
-        local = (~torch.isfinite(sums)).any().float()
-        if sharded:
-            if self._bad_loss is not None:
-                local += self._bad_loss.to(self.comm.device)
-            self.comm.all_reduce(local)
-        self.comm.all_reduce_tp(local)  # a tp shard's verdict is its model's
-        return local.item() > 0
-
     def handle(self, trainable: list[FlatParam], step: int) -> None:
         """Collective. The step's gradients are non-finite: raise, or count a skip (then return)."""
         first = _first_nonfinite(trainable)
@@ -72,7 +55,7 @@ class NonFiniteGuard:
         found = self.comm.all_gather_objects((first, bad_loss))
         self.end_cycle()
         hits = [(hit, r) for r, (hit, _) in enumerate(found) if hit is not None]
-        where = "no gradient element is (their norm or sum overflowed)"
+        where = "no gradient element is (their squared norm overflowed)"
         if hits:
             (_, _, element, name, label, value), rank = min(hits)
             where = f"first in {label}, parameter '{name}' (element {element}: {value}, rank {rank}'s shard)"

@@ -65,8 +65,8 @@ def convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
 class LossScaler:
     """Dynamic loss scaling with DeepSpeed's semantics: the first `hysteresis - 1` overflows skip the
     step without shrinking, later ones halve the scale; `loss_scale_window` clean steps in a row double
-    it and restore the hysteresis. Overflow decisions are global: the engine all-reduces
-    an overflow flag, so every rank skips the same steps and the ranks never diverge.
+    it and restore the hysteresis. Overflow decisions are global: the engine all-reduces the squared
+    gradient norm (non-finite on overflow), so every rank skips the same steps and never diverges.
     """
 
     def __init__(self, cfg: ScalerConfig | None) -> None:

@@ -82,13 +82,15 @@ def rank_batch(rank: int, world_size: int, per_rank: int = 2) -> tuple[torch.Ten
 
 
 def reference_run(make_model, make_optimizer, steps: int, global_batch: int, groups=None,
-                  scheduler=None, clip: float = 0.0, dtype: torch.dtype = torch.float32, micro: int = 1):
+                  scheduler=None, clip: float = 0.0, dtype: torch.dtype = torch.float32, micro: int = 1,
+                  norms: list[float] | None = None):
     """Single-process training on the whole global batch. Gradients start as zeros and are zeroed,
     not set to None: ZeRO's flat buffers give unused parameters a zero gradient (as DeepSpeed and
     FSDP do), so stateful optimizers still move them. Optional: parameter groups (model -> groups),
     an lr scheduler (optimizer -> scheduler) stepped after each step, global-norm clipping, `micro`
     micro-batches per step (each loss divided by `micro`), and a 16-bit `dtype`: parameters,
-    activations and gradients in it, the optimizer on fp32 master copies (mixed precision)."""
+    activations and gradients in it, the optimizer on fp32 master copies (mixed precision).
+    `norms`, if given, receives each step's global gradient norm before clipping."""
     model = make_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
     master = trainable if dtype == torch.float32 else [nn.Parameter(p.detach().float()) for p in trainable]
@@ -109,6 +111,8 @@ def reference_run(make_model, make_optimizer, steps: int, global_batch: int, gro
         for p, m in zip(trainable, master):
             if m is not p:
                 m.grad = p.grad.float()
+        if norms is not None:
+            norms.append(torch.nn.utils.get_total_norm([m.grad for m in master]).item())
         if clip:
             torch.nn.utils.clip_grad_norm_(master, clip)
         opt.step()

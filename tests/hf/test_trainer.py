@@ -136,6 +136,13 @@ def _two_ranks(rank: int, world_size: int, out: str) -> None:
     results["sgd"] = {"optimizer": type(sgd.engine.optimizer).__name__,
                       "warnings": [str(w.message) for w in caught],
                       "lr": sgd.engine.optimizer.param_groups[0]["initial_lr"]}
+    # Without clipping, Trainer still logs grad_norm (DDP's is clip_grad_norm_ with an infinite max).
+    for name, cls in (("noclip-ddp", Trainer), ("noclip-zero", ZeroTrainer)):
+        extra = {"zero_config": {"zero_optimization": {"stage": 3}}} if cls is ZeroTrainer else {}
+        run = cls(model=_model("bert"), train_dataset=train, **extra, args=_args(
+            f"{out}/{name}", eval_strategy="no", max_steps=2, max_grad_norm=0.0))
+        run.train()
+        results[name] = _logged(run)["grad_norm"]
     # fp16 whose loss scale overflows every step: each step is skipped, and the lr schedule waits.
     fp16 = ZeroTrainer(model=_model("bert"), train_dataset=train, args=_args(
         f"{out}/fp16", eval_strategy="no", max_steps=3, warmup_steps=0, fp16=True), zero_config={
@@ -197,6 +204,8 @@ def test_seed_config_optimizer_section_and_skipped_steps(runs):
         close(seed["weights"][name], value, atol=PARAM_ATOL, what=f"seed config {name}")
     sgd = results["sgd"]
     assert sgd["optimizer"] == "SGD" and sgd["lr"] == 5e-3
+    assert len(results["noclip-ddp"]) == 2 and all(n > 0 for n in results["noclip-ddp"])
+    close(results["noclip-zero"], results["noclip-ddp"], rtol=GRAD_NORM_RTOL, what="unclipped gradient norms")
     assert any("\"optimizer\" section (SGD)" in w and "optim='adamw_torch'" in w for w in sgd["warnings"])
     fp16 = results["fp16"]  # skipped steps hold the lr schedule (no warmup: it decays if it steps)
     assert fp16["skipped"] == 3 and fp16["learning_rate"] == [5e-3] * 3

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from helpers.spawn import spawn
-from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
+from helpers.models import TinyGPT, assert_matches_reference, batches, close, loss_fn, reference_run
 
 STEPS, GLOBAL_BATCH = 4, 12
 
@@ -74,12 +74,12 @@ CASES = {
 }
 
 
-def reference(case: Case):
+def reference(case: Case, norms: list[float]):
     def model() -> TinyGPT:
         torch.manual_seed(0)
         return TinyGPT()
     return reference_run(model, case.make_opt, STEPS, GLOBAL_BATCH, case.groups, case.scheduler,
-                         case.config.get("gradient_clipping", 0.0))
+                         case.config.get("gradient_clipping", 0.0), norms=norms)
 
 
 def train(case: Case, stage: int, rank: int, world_size: int):
@@ -113,10 +113,13 @@ def train(case: Case, stage: int, rank: int, world_size: int):
 def _semantics(rank: int, world_size: int, names: list[str]) -> None:
     for name in names:
         case = CASES[name]
-        ref_model, ref_losses = reference(case)
+        norms: list[float] = []
+        ref_model, ref_losses = reference(case, norms)
         for stage in range(case.min_stage, 4):
             engine, losses = train(case, stage, rank, world_size)
             assert_matches_reference(engine, losses, ref_model, ref_losses, f"{name} stage {stage}")
+            # measured at every step, clipping or not (Trainer logs it as grad_norm)
+            close([engine.last_grad_norm], norms[-1:], rtol=1e-5, what=f"{name} stage {stage} norm")
             if name == "clipping":  # the clip really cut: the global norm was above the threshold
                 assert engine.last_grad_norm > 5 * case.config["gradient_clipping"]
             if name == "offload":  # master weights and Adam state are held by the host copy
