@@ -1,7 +1,9 @@
-"""The order units run in, and prefetching along it (stage 3 with overlap_comm).
+"""The order units run in, prefetching along it (stage 3 with overlap_comm), and which units stay
+gathered from forward into backward.
 
 The forward records which units ran in which order; the next forward prefetches along that record,
 and backward (which visits units in reverse) prefetches the unit that ran before the one it reached.
+A unit backward will reach soon (stage3_max_reuse_distance) is not freed after its forward.
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ class UnitOrder:
     """
 
     def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
-                 prefetch_numel: int | None = None, max_live_numel: int = 10**9) -> None:
+                 prefetch_numel: int | None = None, max_live_numel: int = 10**9,
+                 max_reuse_numel: int = 0) -> None:
         self.enabled = prefetch
         self.prefetch_numel = prefetch_numel  # None: exactly the next unit
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.on_gather = on_gather  # accounting: temporaries peak right after a gather
         self.previous: list[Unit] = []  # the last complete forward
         self.current: list[Unit] = []   # this forward, so far
@@ -43,13 +47,29 @@ class UnitOrder:
         unit.gather()
         self.on_gather()
 
-    def backward_starts_with(self, unit: Unit) -> bool:
-        """Is `unit` the last to run forward, as in the previous forward? Backward then needs it
-        first, so it is not freed in between (one all-gather less per step; a wrong guess keeps it
-        gathered until its gradients are reduced). Only with prefetch (overlap_comm), whose memory
-        bound already counts the unit that comes next."""
-        return self.enabled and self.prefetch_numel != 0 and len(self.current) == len(self.previous) \
-            and self.previous[-1] is unit
+    def keeps_for_backward(self, unit: Unit) -> bool:
+        """Should `unit`, whose forward just ended, stay gathered until backward reaches it?
+
+        Its reuse distance, as DeepSpeed's parameter cache counts it, is the elements gathered
+        between this use and the next along the previous forward's record: the later units' forward,
+        then their backward (0 for the unit that ran last, which backward needs first). It stays when
+        that is at most stage3_max_reuse_distance and everything then gathered at once fits
+        stage3_max_live_parameters; the last unit stays only with prefetch (overlap_comm), whose memory
+        bound already counts a unit beside the running one. A wrong guess (the graph changed) only costs
+        memory: the unit stays gathered until its gradients are reduced or the backward ends."""
+        i = len(self.current) - 1
+        if i >= len(self.previous) or self.previous[i] is not unit:
+            return False
+        later = dict.fromkeys(self.previous[i + 1:])  # each unit once
+        if unit in later:
+            return False  # it runs again in this forward: that later use decides
+        ahead = sum(u.numel for u in later)
+        if ahead == 0:
+            return self.enabled and self.prefetch_numel != 0
+        if 2 * ahead > self.max_reuse_numel:
+            return False
+        held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.gathered)
+        return held + unit.numel + ahead <= self.max_live_numel
 
     def before_backward(self, unit: Unit) -> None:
         if self.enabled:

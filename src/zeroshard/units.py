@@ -139,7 +139,7 @@ class UnitVisitor(Protocol):
 
     def before_backward(self, unit: "Unit") -> None: ...
 
-    def backward_starts_with(self, unit: "Unit") -> bool: ...
+    def keeps_for_backward(self, unit: "Unit") -> bool: ...
 
 
 class Unit:
@@ -218,8 +218,8 @@ class Unit:
         if not torch.is_grad_enabled():
             self.free()  # no backward follows this forward (an earlier one re-gathers on its own)
             return
-        if not self.is_root and not order.backward_starts_with(self):
-            self.free()  # (the unit backward needs first stays: freeing it would gather it right back)
+        if not self.is_root and not order.keeps_for_backward(self):
+            self.free()  # (a unit backward needs first, or soon, stays: it would be gathered right back)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(

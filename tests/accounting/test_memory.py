@@ -89,8 +89,9 @@ def test_temporary_buffers_do_not_grow_with_the_model():
 
 
 def _prefetch_limits(rank: int, world_size: int) -> None:
-    """stage3_prefetch_bucket_size and stage3_max_live_parameters bound how many units are gathered
-    at once during forward, with DeepSpeed's meanings; they never change the results."""
+    """stage3_prefetch_bucket_size, stage3_max_live_parameters and stage3_max_reuse_distance bound
+    how many units are gathered at once during forward, and which stay gathered into backward, with
+    DeepSpeed's meanings; they never change the results."""
     x, y = rank_batch(rank, world_size)
     block = 4 * 32 * 32 * 2 + 4 * 32 + 32 + 2 * 32  # elements of one Block(d=32), padded to N below
     unit = -(-block // world_size) * world_size
@@ -100,29 +101,43 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                         "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
                         "under a unit": {"stage3_prefetch_bucket_size": unit // 2},  # overshoots by one
                         "3 units, live cap": {"stage3_prefetch_bucket_size": 3 * unit,
-                                              "stage3_max_live_parameters": "root + 2 units"}}.items():
+                                              "stage3_max_live_parameters": "root + 2 units"},
+                        # reuse counts the later units' forward and backward: 3 later units -> 6 units
+                        "reuse": {"stage3_max_reuse_distance": 6 * unit},
+                        "reuse, live cap": {"stage3_max_reuse_distance": 6 * unit,
+                                            "stage3_max_live_parameters": "root + 3 units"}}.items():
         torch.manual_seed(0)
         model = TinyGPT(d=32, layers=8)
-        if extra.get("stage3_max_live_parameters") == "root + 2 units":
-            extra = {**extra, "stage3_max_live_parameters": root + 2 * unit}
+        cap = extra.get("stage3_max_live_parameters")
+        if isinstance(cap, str):
+            extra = {**extra, "stage3_max_live_parameters": root + int(cap.split()[2]) * unit}
         engine = zeroshard.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3),
                                       {"zero_optimization": {"stage": 3, **extra},
                                        "zeroshard": {"unit_modules": ["Block"]}})
         root = engine.units[0].numel
-        most = []
+        most, kept = [], []
         for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward
             b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
         losses = []
         for _ in range(2):
             loss = loss_fn(engine(x), y)
+            loss.register_hook(lambda g: kept.append(sum(u.gathered for u in engine.units[1:])))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        results[name] = (max(most), losses)
+        gathers = engine.comm_stats()["last_step"]["all_gather"]["calls"]
+        results[name] = (max(most), losses, kept[-1], gathers)
     assert results["none"][0] == 1 and results["next unit"][0] == 2
     assert results["3 units"][0] == 4 and results["3 units, live cap"][0] == 2
     assert results["under a unit"][0] == 2
-    assert len({tuple(losses) for _, losses in results.values()}) == 1  # bit-identical losses
+    # Blocks still gathered when backward starts, and the all-gathers of the second step: each kept
+    # block is one fewer (the first step has no recorded order yet, and keeps none).
+    kept, gathers = {name: r[2] for name, r in results.items()}, {name: r[3] for name, r in results.items()}
+    assert kept == {"next unit": 1, "none": 0, "3 units": 1, "under a unit": 1, "3 units, live cap": 1,
+                    "reuse": 4, "reuse, live cap": 3}, kept
+    assert all(gathers[name] == gathers["none"] - kept[name] for name in results), gathers
+    assert results["reuse"][0] == 4  # blocks 4-6 kept, and block 7 running
+    assert len({tuple(losses) for _, losses, _, _ in results.values()}) == 1  # bit-identical losses
 
 
 def test_prefetch_bucket_and_max_live_parameters():

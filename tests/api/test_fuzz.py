@@ -140,10 +140,11 @@ OFFLOAD = section({"device": st.sampled_from(["cpu", "none", "nvme", "gpu"]) | J
 ZERO = section({
     "stage": st.integers(-1, 4) | JUNK, "reduce_bucket_size": SIZE, "allgather_bucket_size": SIZE,
     "stage3_param_persistence_threshold": SIZE, "stage3_prefetch_bucket_size": SIZE | st.none(),
-    "stage3_max_live_parameters": SIZE, "sub_group_size": SIZE, "contiguous_gradients": BOOL,
+    "stage3_max_live_parameters": SIZE, "stage3_max_reuse_distance": SIZE, "sub_group_size": SIZE,
+    "contiguous_gradients": BOOL,
     "overlap_comm": BOOL, "reduce_scatter": BOOL, "allgather_partitions": BOOL,
     "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD},
-    ("zzz", "cpu_offload", "stage3_max_reuse_distance"))
+    ("zzz", "cpu_offload"))
 OPTIMIZER_PARAMS = st.dictionaries(
     st.sampled_from(["lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "amsgrad", "maximize",
                      "foreach", "fused", "capturable", "differentiable", "lrr"]) | st.text(max_size=3)
@@ -175,7 +176,8 @@ _PLACE = st.fixed_dictionaries({}, optional={"device": st.sampled_from(["cpu", "
 TRAINABLE_ZERO = st.fixed_dictionaries({"stage": st.integers(0, 3)}, optional={
     "reduce_bucket_size": _SMALL, "allgather_bucket_size": _SMALL, "sub_group_size": _SMALL,
     "stage3_param_persistence_threshold": _COUNT, "stage3_prefetch_bucket_size": _COUNT | st.none(),
-    "stage3_max_live_parameters": _COUNT, "contiguous_gradients": st.booleans(),
+    "stage3_max_live_parameters": _COUNT, "stage3_max_reuse_distance": _COUNT,
+    "contiguous_gradients": st.booleans(),
     "overlap_comm": st.booleans(), "offload_optimizer": _PLACE, "offload_param": _PLACE})
 _OPTIMIZER_VALUES = (st.floats(-1, 2) | st.sampled_from([0.0, 1e-3, 0.9, 1e30, float("nan")])
                      | st.lists(st.floats(0, 1), max_size=3) | st.booleans() | st.none() | st.just("x"))

@@ -37,11 +37,10 @@ _NOT_IMPLEMENTED_ZERO = {
 }
 
 
-# DeepSpeed zero_optimization keys whose effect zeroshard always has, or that only tune DeepSpeed's own
-# parameter cache: gradients are always contiguous; saving always gathers full weights; a unit is
-# kept gathered exactly when backward needs it first.
+# DeepSpeed zero_optimization keys whose effect zeroshard always has: gradients are always
+# contiguous; saving always gathers full weights.
 _COMPATIBLE: dict[str, Callable[[str, Any], Any]] = {
-    "contiguous_gradients": as_bool, "stage3_max_reuse_distance": lambda name, v: as_int(name, v, 0),
+    "contiguous_gradients": as_bool,
     **dict.fromkeys(("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
                      "gather_16bit_weights_on_model_save"), as_bool)}
 
@@ -58,7 +57,8 @@ def _zero(cfg: Settings, value: Any) -> None:
             setattr(z, key, as_int(name, v, 1))
         elif key == "stage3_prefetch_bucket_size":
             z.stage3_prefetch_bucket_size = None if v is None else as_int(name, v, 0)
-        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
+        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                     "stage3_max_reuse_distance"):
             setattr(z, key, as_int(name, v, 0))
         elif key == "sub_group_size":
             z.sub_group_size = as_int(name, v, 1)
