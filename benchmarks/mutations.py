@@ -83,8 +83,8 @@ MUTATIONS = [
              "                updated.copy_(self.master)\n"
              "                self.master.copy_(updated)\n", (BF16,),
              "the fp32 master is re-copied from the rounded bf16 parameters after every step"),
-    Mutation("clip-norm-local", "src/zeroshard/optim.py", "            comm.all_reduce(squares)\n",
-             "            pass\n", (TRAINING,),
+    Mutation("clip-norm-local", "src/zeroshard/optim.py", "        comm.all_reduce(squares)\n",
+             "        pass\n", (TRAINING,),
              "the clipping norm is this rank's shard's norm, not the global one"),
     Mutation("clip-not-applied", "src/zeroshard/optim.py",
              "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
@@ -150,9 +150,8 @@ MUTATIONS = [
              "            self.gather()\n", "        pass\n", (PARITY2,),
              "the post-step all-gather (stages 1-2) is issued but the step never waits for it"),
     Mutation("stage3-keeps-units-after-forward", "src/zeroshard/prefetch.py",
-             "        return self.enabled and self.prefetch_numel != 0 and len(self.current) == "
-             "len(self.previous) \\\n            and self.previous[-1] is unit",
-             "        return self.enabled", ("tests/accounting/test_traffic.py",),
+             "        if i >= len(self.previous) or self.previous[i] is not unit:\n            return False\n",
+             "        return True\n", ("tests/accounting/test_traffic.py",),
              "stage 3 keeps every unit gathered from forward to backward (memory that never shrinks)"),
     Mutation("offload-grad-version-ignored", "src/zeroshard/offload.py",
              "        if version == self._grad_version:\n", "        if self._grad_version >= 0:\n",
