@@ -50,9 +50,29 @@ def test_train_resume_and_consolidate(tmp_path):
     assert consolidated.stdout.startswith("wrote")
 
 
+def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                  "train_micro_batch_size_per_gpu": 4}))
+    common = ("--steps", "2", "--size", "tiny", "--config", str(config))
+    out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
+    assert "ZeRO stage 1, 2 ranks, bf16 SGD" in out, out
+    out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
+                    "--out", str(tmp_path / "b")).stdout
+    assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
+    done = zeroshard("train", *common, "--batch-size", "8", check=False)
+    assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
+        in done.stderr, done.stderr
+
+
 def test_compare_reports_every_stage_against_ddp(tmp_path):
+    # The DDP baseline follows the config's recipe too: schedule, clipping, accumulation.
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
+                                  "gradient_clipping": 0.5, "gradient_accumulation_steps": 2}))
     out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3", "--rounds", "2",
-                    "--out", str(tmp_path)).stdout
+                    "--config", str(config), "--out", str(tmp_path)).stdout
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
     assert rounds == [f"round {i}/2: ddp, stage 1, stage 3, side by side ..." for i in (1, 2)]
     alone = [line for line in out.splitlines() if line.startswith("alone: ")]
@@ -67,7 +87,7 @@ def test_compare_reports_every_stage_against_ddp(tmp_path):
                                                   abs=0.06)  # the median over rounds
     assert os.path.getsize(tmp_path / "compare.png") > 10_000
     ddp_loss, stage3_loss = float(rows["ddp"][-2]), float(rows["stage3"][-2])
-    assert abs(ddp_loss - stage3_loss) < 1e-3  # same model, same data: the same training
+    assert abs(ddp_loss - stage3_loss) < 1e-3  # same model, data and recipe: the same training
     states = {k: float(v[-5 if k == "ddp" else -5]) for k, v in rows.items()}
     assert states["stage3"] < states["stage1"] < states["ddp"]
 

@@ -15,22 +15,26 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps,
                    help=f"training steps in total, one micro-batch each (optimizer steps x "
                         f"gradient_accumulation_steps; default {steps})")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument("--batch-size", type=int, help="sequences per rank per step (default: the config's "
+                                                   "micro-batch, else 8)")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
     p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size (default small)")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--width", type=int, help="override the model width")
     p.add_argument("--hf-config", help="a Hugging Face config.json: train that architecture from scratch "
                                        "(needs transformers)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                   help="fp32, or mixed precision with fp32 master weights (default fp32)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                   help="fp32, or mixed precision with fp32 master weights (default: the config's "
+                        "bf16/fp16 section, else fp32)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the config's optimizer section, "
+                                            "else AdamW at 3e-3)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (every nn.ModuleList entry) before training")
     p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
                                                          "Python standard library's own source)")
-    p.add_argument("--config", help="a DeepSpeed-style JSON config (--stage, --precision and the "
-                                    "--offload options override it)")
+    p.add_argument("--config", help="a DeepSpeed-style JSON config: its stage, precision, micro-batch, "
+                                    "optimizer, scheduler, clipping and accumulation are used; a flag "
+                                    "given on the command line overrides the config")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -61,7 +65,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                        description="Train a byte-level GPT on the Python standard library's source "
                                    "(or --data) with ZeRO across local ranks; report memory and traffic "
                                    "beside the paper's formulas, plot the loss, sample text, checkpoint.")
-    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default: the config's, else 3)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
                                                           "--nproc) up to --steps in total")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -208,6 +213,28 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     print(f"wrote {len(weights)} tensors to {args.output}")
 
 
+def _defaults_from_config(args: argparse.Namespace) -> None:
+    """Options not given on the command line take the config's values, then the usual defaults; a
+    --batch-size that contradicts the config's batch sizes is an error naming both."""
+    import zeroshard
+    config = zeroshard.Config.load(args.config) if args.config else zeroshard.Config()
+    given = {key: key in config.raw for key in ("bf16", "fp16")}
+    if getattr(args, "stage", 0) is None:
+        args.stage = config.zero.stage if "stage" in config.raw.get("zero_optimization", {}) else 3
+    if args.precision is None:
+        args.precision = config.precision if any(given.values()) else "fp32"
+    dp = args.nproc // getattr(args, "tp", 1)
+    micro = config.train_micro_batch_size_per_gpu
+    if micro is None and config.train_batch_size is not None:
+        config.check_batch_sizes(dp)
+        micro = config.train_batch_size // (config.gradient_accumulation_steps * dp)
+    if args.batch_size is not None and micro is not None and args.batch_size != micro:
+        raise ValueError(f"--batch-size {args.batch_size} but the config's batch sizes give a micro-batch "
+                         f"of {micro} per rank ({dp} data-parallel ranks): drop one of them")
+    if args.batch_size is None:
+        args.batch_size = micro or 8
+
+
 def _resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--device auto becomes cuda or cpu; --nproc defaults to the GPU count on cuda, 2 on cpu."""
     import torch
@@ -234,9 +261,10 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if getattr(args, "tp", 1) < 1 or args.nproc % getattr(args, "tp", 1):
         parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
-    train_args = TrainArgs(**options)
     try:  # fail here, in one process, rather than in every rank
+        _defaults_from_config(args)
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
+        train_args = TrainArgs(**options)
         check_paths(args.data)
         accumulation = zeroshard.Config.load(train_args.engine_config()).gradient_accumulation_steps
         for flag, value in (("--steps", train_args.steps), ("--save-every", train_args.save_every)):

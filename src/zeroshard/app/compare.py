@@ -56,6 +56,10 @@ def compare(args: TrainArgs, stages: list[int], rounds: int = 3) -> list[dict[st
         row["vs_baseline"] = statistics.median(
             a / b for t in timings for a, b in zip(t[row["name"]], t[baseline]))
     print(comparison_table(rows, rounds, baseline, args.device == "cuda"))
+    if args.precision != "fp32":
+        print(f"{baseline}: torch AMP (fp32 weights, {args.precision} autocast), plain torch's mixed "
+              f"precision; its losses differ from ZeRO's {args.precision} weights with fp32 masters in the "
+              f"last digits")
     chart = os.path.join(args.out, "compare.png")
     plot_comparison(rows, chart)
     print(f"chart: {chart}")

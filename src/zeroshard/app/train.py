@@ -42,10 +42,10 @@ class TrainArgs:
     size: str = "small"
     layers: int | None = None
     width: int | None = None
-    lr: float = 3e-3
+    lr: float | None = None      # None: the config's optimizer section, else AdamW at 3e-3
     precision: str = "fp32"
     data: list[str] = field(default_factory=list)
-    config: str | None = None    # a DeepSpeed-style JSON; --stage, --precision, --offload-* override it
+    config: str | None = None    # a DeepSpeed-style JSON; the fields here (as the CLI resolved them) win
     offload_optimizer: str | None = None  # "none", "cpu" or "nvme"; None: as the config says
     offload_param: str | None = None
     nvme_path: str | None = None  # where "nvme" offload writes its files; None: as the config says
@@ -76,6 +76,11 @@ class TrainArgs:
                 raw["zero_optimization"][key]["nvme_path"] = self.nvme_path
         for name in ("bf16", "fp16"):
             raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
+        if self.lr is not None and "optimizer" in raw:  # --lr given: it sets the section's lr
+            raw["optimizer"] = {**raw["optimizer"], "params": {**raw["optimizer"].get("params", {}),
+                                                               "lr": self.lr}}
+        raw["train_micro_batch_size_per_gpu"] = self.batch_size  # what the loop feeds each rank
+        raw.pop("train_batch_size", None)  # (the CLI checked it against the micro-batch)
         flags = ("partition_activations", "cpu_checkpointing")
         if self.activation_checkpointing or any(getattr(self, f) for f in flags):
             raw["activation_checkpointing"] = {**raw.get("activation_checkpointing", {}),
@@ -134,11 +139,24 @@ def build_engine(args: TrainArgs):
             model = build_model(args)
     if args.compile:
         compile_blocks(model)
-    # Over host shards (offload), torch's fused CPU kernel is several times faster than foreach.
-    fused = not args.ddp and zeroshard.Config.load(args.engine_config()).zero.offload_optimizer
-    make_opt = lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.1, fused=fused or None)  # noqa: E731
-    return DDPBaseline(model, make_opt, args.device) if args.ddp else \
+    config = zeroshard.Config.load(args.engine_config())
+    make_opt = optimizer_of(config, args)
+    return DDPBaseline(model, make_opt, args.device, config) if args.ddp else \
         zeroshard.initialize(model, make_opt, args.engine_config(), mesh=mesh)
+
+
+def optimizer_of(config: "zeroshard.Config", args: TrainArgs) -> Callable | None:
+    """AdamW (lr 3e-3 unless --lr, weight decay 0.1), or None where the config's "optimizer"
+    section builds the optimizer (for the DDP baseline too: the same class and options)."""
+    if config.optimizer is not None:
+        if not args.ddp:
+            return None  # initialize builds it from the section (fused over host shards, as DeepSpeed)
+        cls, options = config.optimizer.build_class(), dict(config.optimizer.params)
+        return lambda p: cls(p, **options)
+    # Over host shards (offload), torch's fused CPU kernel is several times faster than foreach.
+    fused = not args.ddp and config.zero.offload_optimizer
+    lr = 3e-3 if args.lr is None else args.lr
+    return lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1, fused=fused or None)
 
 
 def start_rank(args: TrainArgs) -> None:
@@ -278,7 +296,7 @@ def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: li
     psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
     split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
-          f"{world} ranks, {args.precision} AdamW "
+          f"{world} ranks, {args.precision} {type(engine.optimizer).__name__} "
           f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
     for line in memory_table(per_rank, psi, args.stage, args.precision, dp=world // args.tp):
         print(line)
