@@ -58,6 +58,10 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
                    custom_optimizer: bool = False) -> dict[str, Any]:
     """The config ZeroTrainer gives initialize(): `source` with TrainingArguments filled in."""
     raw = _load(source)
+    checked = copy.deepcopy(raw)
+    checked.pop("scheduler", None)  # (checked by fill_scheduler)
+    _drop_auto(checked, "")
+    Config.load(checked)  # keys and types first: "bf16": true or a "2" is named as such, not compared
     for key, (name, read) in _SHARED.items():
         value = _get(raw, key)
         if value is not None and not _is_auto(value) and value != read(args):

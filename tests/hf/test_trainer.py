@@ -287,6 +287,9 @@ def _trainer(tmp_path, zero_config=None, **overrides):
     ({"zeroshard": {"delayed_param_update": True}}, {}, ["delayed_param_update"]),
     ({}, {"optim": "adafactor"}, ["optim='adafactor'", "adamw_torch"]),
     ({"zero_optimization": {"stage": 5}}, {}, ["zero_optimization.stage"]),
+    # A wrong type is named as one, not compared with TrainingArguments (nor dropped, as "bf16": true was)
+    ({"bf16": True}, {}, ["config key 'bf16' must be an object, got bool"]),
+    ({"train_micro_batch_size_per_gpu": "3"}, {}, ["'train_micro_batch_size_per_gpu' must be an integer"]),
 ])
 def test_contradictions_are_named(tmp_path, keep_rng, config, overrides, named):
     with pytest.raises(zeroshard.ConfigError) as error:
