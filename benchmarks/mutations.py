@@ -150,7 +150,8 @@ MUTATIONS = [
              "            self.gather()\n", "        pass\n", (PARITY2,),
              "the post-step all-gather (stages 1-2) is issued but the step never waits for it"),
     Mutation("stage3-keeps-units-after-forward", "src/zeroshard/prefetch.py",
-             "        if i >= len(self.previous) or self.previous[i] is not unit:\n            return False\n",
+             "        if i >= len(self.previous) or self.previous[i] is not unit:\n"
+             "            return False\n",
              "        return True\n", ("tests/accounting/test_traffic.py",),
              "stage 3 keeps every unit gathered from forward to backward (memory that never shrinks)"),
     Mutation("offload-grad-version-ignored", "src/zeroshard/offload.py",

@@ -13,6 +13,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
 from .checkpoint import info as checkpoint_info
+from .schedules import DeepSpeedSchedule
 from .checks import ModelMismatchError
 from .comm import Comm, gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
@@ -30,7 +31,8 @@ from .parallel import tensor_parallel
 __all__ = ["initialize", "init", "materialize", "is_deferred", "consolidate", "checkpoint_info", "Config",
            "ConfigError", "CheckpointError", "DivergenceError", "NonFiniteError", "Engine",
            "ModelMismatchError", "paper_model_state_bytes", "ensure_process_group", "rank_and_world_size",
-           "mean_over_ranks", "gather_objects", "tensor_bytes", "optimizer_state_bytes", "tensor_parallel"]
+           "mean_over_ranks", "gather_objects", "tensor_bytes", "optimizer_state_bytes", "tensor_parallel",
+           "DeepSpeedSchedule"]
 __version__ = "0.1.0"
 
 

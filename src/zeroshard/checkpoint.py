@@ -166,10 +166,15 @@ def _nothing_saved(path: str) -> bool:
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
-    """(the checkpoint directory, the parent whose `latest` named it, or None if named directly).
-    An error about a checkpoint found through `latest` offers the newest complete sibling."""
+    """(the checkpoint directory, the parent whose `latest` named it, or None if named directly; a
+    Trainer checkpoint-N folder stands for the `zeroshard` one inside). An error about a checkpoint
+    found through `latest` offers the newest complete sibling."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint path '{path}' does not exist")
+    inner = os.path.join(path, "zeroshard")  # a Trainer checkpoint-N folder that ZeroTrainer wrote
+    if os.path.isdir(inner) and not any(os.path.exists(os.path.join(path, name))
+                                        for name in (LATEST, integrity.METADATA)):
+        return _resolve(inner)
     parent = None
     if os.path.isfile(os.path.join(path, LATEST)):
         with open(os.path.join(path, LATEST)) as f:

@@ -61,6 +61,9 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
+    done = zeroshard("train", *common, "--resume", "--out", str(tmp_path / "a"), check=False)
+    assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
+        in done.stderr, done.stderr
     done = zeroshard("train", *common, "--batch-size", "8", check=False)
     assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
         in done.stderr, done.stderr

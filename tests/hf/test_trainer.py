@@ -192,6 +192,11 @@ def test_save_model_is_an_ordinary_checkpoint(runs):
     assert sorted(os.listdir(f"{out}/gpt2-stage3")) == ["checkpoint-4", "checkpoint-6"]
     kept = set(os.listdir(f"{out}/gpt2-stage3/checkpoint-4"))
     assert {"model.safetensors", "config.json", "zeroshard", "trainer_state.json"} <= kept
+    # `zeroshard consolidate` takes the Trainer folder itself (its zeroshard/ inside): the same weights
+    from safetensors.torch import load_file
+    saved = load_file(f"{out}/gpt2-stage3/checkpoint-4/model.safetensors")
+    whole = zeroshard.consolidate(f"{out}/gpt2-stage3/checkpoint-4")
+    assert saved and all(torch.equal(whole[name], value) for name, value in saved.items())
 
 
 def test_seed_config_optimizer_section_and_skipped_steps(runs):

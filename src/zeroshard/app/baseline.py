@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard.schedules import scheduler_factory
 
 
 class DDPBaseline:
@@ -33,8 +32,8 @@ class DDPBaseline:
         self.module = model if one_rank else DistributedDataParallel(
             model, device_ids=[self.device.index] if cuda else None)
         self.optimizer = make_opt([p for p in model.parameters() if p.requires_grad])
-        make_schedule = scheduler_factory(None, config.scheduler)
-        self.lr_scheduler = make_schedule(self.optimizer) if make_schedule is not None else None
+        self.lr_scheduler = zeroshard.DeepSpeedSchedule(self.optimizer, config.scheduler) \
+            if config.scheduler is not None else None
         self.accumulation, self.clip = config.gradient_accumulation_steps, config.gradient_clipping
         self.amp_dtype = None if config.precision == "fp32" else config.dtype(None)
         self.scaler = torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None

@@ -6,6 +6,7 @@ import math
 import sys
 
 from .gpt import SIZES
+from .options import check_steps_beyond_checkpoint, defaults_from_config, resolve_device
 
 
 def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
@@ -213,46 +214,9 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     print(f"wrote {len(weights)} tensors to {args.output}")
 
 
-def _defaults_from_config(args: argparse.Namespace) -> None:
-    """Options not given on the command line take the config's values, then the usual defaults; a
-    --batch-size that contradicts the config's batch sizes is an error naming both."""
-    import zeroshard
-    config = zeroshard.Config.load(args.config) if args.config else zeroshard.Config()
-    given = {key: key in config.raw for key in ("bf16", "fp16")}
-    if getattr(args, "stage", 0) is None:
-        args.stage = config.zero.stage if "stage" in config.raw.get("zero_optimization", {}) else 3
-    if args.precision is None:
-        args.precision = config.precision if any(given.values()) else "fp32"
-    dp = args.nproc // getattr(args, "tp", 1)
-    micro = config.train_micro_batch_size_per_gpu
-    if micro is None and config.train_batch_size is not None:
-        config.check_batch_sizes(dp)
-        micro = config.train_batch_size // (config.gradient_accumulation_steps * dp)
-    if args.batch_size is not None and micro is not None and args.batch_size != micro:
-        raise ValueError(f"--batch-size {args.batch_size} but the config's batch sizes give a micro-batch "
-                         f"of {micro} per rank ({dp} data-parallel ranks): drop one of them")
-    if args.batch_size is None:
-        args.batch_size = micro or 8
-
-
-def _resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--device auto becomes cuda or cpu; --nproc defaults to the GPU count on cuda, 2 on cpu."""
-    import torch
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.device == "auto":
-        args.device = "cuda" if gpus else "cpu"
-    if args.device == "cuda" and not gpus:
-        parser.error("--device cuda: no CUDA device is visible; use --device cpu")
-    if args.nproc is None:
-        args.nproc = gpus if args.device == "cuda" else 2
-    if args.device == "cuda" and args.nproc > gpus:
-        parser.error(f"--nproc {args.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; use "
-                     f"--nproc {gpus} or fewer, or --device cpu to run more ranks on the CPU")
-
-
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
-    _resolve_device(parser, args)
+    resolve_device(parser, args)
     import zeroshard
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
@@ -262,7 +226,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if getattr(args, "tp", 1) < 1 or args.nproc % getattr(args, "tp", 1):
         parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
     try:  # fail here, in one process, rather than in every rank
-        _defaults_from_config(args)
+        defaults_from_config(args)
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
         train_args = TrainArgs(**options)
         check_paths(args.data)
@@ -278,6 +242,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except (OSError, ValueError, RuntimeError) as e:
         parser.error(str(e))
     if args.command == "train":
+        check_steps_beyond_checkpoint(parser, train_args)
         launch(train_args)
     else:
         from .compare import compare

@@ -1,0 +1,59 @@
+"""The command line's options resolved before any rank starts: the device and rank count, the
+values a --config supplies where no flag was given, and a --resume that would train nothing. Each
+problem is a parser error naming the option and the fix, in one process, not a traceback per rank."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
+    """--resume with --steps at or below the checkpoint's step would train nothing: say so."""
+    import zeroshard
+    checkpoints = os.path.join(args.out, "checkpoints")
+    if not args.resume or not os.path.isfile(os.path.join(checkpoints, "latest")):
+        return
+    try:
+        done = len((zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("losses", []))
+    except (zeroshard.CheckpointError, TypeError):
+        return  # the ranks report an unreadable checkpoint, by name
+    if done >= args.steps:
+        parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
+                     f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
+
+
+def defaults_from_config(args: argparse.Namespace) -> None:
+    """Options not given on the command line take the config's values, then the usual defaults; a
+    --batch-size that contradicts the config's batch sizes is an error naming both."""
+    import zeroshard
+    config = zeroshard.Config.load(args.config) if args.config else zeroshard.Config()
+    given = {key: key in config.raw for key in ("bf16", "fp16")}
+    if getattr(args, "stage", 0) is None:
+        args.stage = config.zero.stage if "stage" in config.raw.get("zero_optimization", {}) else 3
+    if args.precision is None:
+        args.precision = config.precision if any(given.values()) else "fp32"
+    dp = args.nproc // getattr(args, "tp", 1)
+    micro = config.train_micro_batch_size_per_gpu
+    if micro is None and config.train_batch_size is not None:
+        config.check_batch_sizes(dp)
+        micro = config.train_batch_size // (config.gradient_accumulation_steps * dp)
+    if args.batch_size is not None and micro is not None and args.batch_size != micro:
+        raise ValueError(f"--batch-size {args.batch_size} but the config's batch sizes give a micro-batch "
+                         f"of {micro} per rank ({dp} data-parallel ranks): drop one of them")
+    if args.batch_size is None:
+        args.batch_size = micro or 8
+
+
+def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--device auto becomes cuda or cpu; --nproc defaults to the GPU count on cuda, 2 on cpu."""
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "auto":
+        args.device = "cuda" if gpus else "cpu"
+    if args.device == "cuda" and not gpus:
+        parser.error("--device cuda: no CUDA device is visible; use --device cpu")
+    if args.nproc is None:
+        args.nproc = gpus if args.device == "cuda" else 2
+    if args.device == "cuda" and args.nproc > gpus:
+        parser.error(f"--nproc {args.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; use "
+                     f"--nproc {gpus} or fewer, or --device cpu to run more ranks on the CPU")
