@@ -48,16 +48,23 @@ def main() -> None:
     trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
                           zero_config=opts.config)
     trainer.train()  # trainer.train(resume_from_checkpoint=True) continues, at any number of ranks
-    loss = trainer.evaluate()["eval_loss"]
+    loss = trainer.evaluate()["eval_loss"]  # Trainer's: batch by batch over the ranks, then averaged
     trainer.save_model(os.path.join(opts.out, "model"))  # every rank takes part; rank 0 writes
 
+    # One batch of every eval block, through the trained model (every rank: at stage 3 each forward
+    # gathers the shards) and through the saved checkpoint loaded back without zeroshard.
+    batch = torch.stack([b["input_ids"] for b in evals])
+    trainer.model.eval()
+    with torch.no_grad():
+        trained = trainer.model(input_ids=batch.to(trainer.args.device), labels=batch.to(trainer.args.device))
     if trainer.is_world_process_zero():  # an ordinary checkpoint: no zeroshard needed to use it
         reloaded = AutoModelForCausalLM.from_pretrained(os.path.join(opts.out, "model")).eval()
-        batch = torch.stack([b["input_ids"] for b in evals])
         with torch.no_grad():
             again = reloaded(input_ids=batch, labels=batch).loss.item()
-        print(f"eval loss {loss:.4f} after {trainer.state.global_step} steps; "
-              f"reloaded without zeroshard: {again:.4f}")
+        weights = "bf16 weights; the checkpoint holds the fp32 masters" if opts.bf16 else "fp32"
+        print(f"eval loss {loss:.4f} after {trainer.state.global_step} steps (Trainer.evaluate); one batch "
+              f"of the eval blocks: trained {trained.loss.item():.4f}, reloaded without zeroshard "
+              f"{again:.4f} ({weights})")
 
 
 if __name__ == "__main__":
