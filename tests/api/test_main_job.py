@@ -64,6 +64,12 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     done = zeroshard("train", *common, "--resume", "--out", str(tmp_path / "a"), check=False)
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
+    # A rank's error on bad input ends the command with that one line, not every rank's traceback.
+    done = zeroshard("train", *common, "--width", "32", "--steps", "4", "--resume",
+                     "--out", str(tmp_path / "a"), check=False)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        "zeroshard: error: CheckpointError: checkpoint is from another model: 'tok.weight' has shape "
+        "(256, 64) there, (256, 32) here (36 shapes differ)"], done.stderr
     done = zeroshard("train", *common, "--batch-size", "8", check=False)
     assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
         in done.stderr, done.stderr

@@ -6,7 +6,7 @@ import math
 import sys
 
 from .gpt import SIZES
-from .options import check_steps_beyond_checkpoint, defaults_from_config, resolve_device
+from .options import check_steps_beyond_checkpoint, defaults_from_config, ranks_report_errors, resolve_device
 
 
 def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
@@ -243,10 +243,12 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(str(e))
     if args.command == "train":
         check_steps_beyond_checkpoint(parser, train_args)
-        launch(train_args)
-    else:
-        from .compare import compare
-        compare(train_args, args.stages, args.rounds)
+    with ranks_report_errors(parser):
+        if args.command == "train":
+            launch(train_args)
+        else:
+            from .compare import compare
+            compare(train_args, args.stages, args.rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,13 @@ problem is a parser error naming the option and the fix, in one process, not a t
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# What a rank raises for bad input (a config, a model, a checkpoint): one line says it all.
+_USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFiniteError", "DivergenceError")
 
 
 def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
@@ -57,3 +63,29 @@ def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.device == "cuda" and args.nproc > gpus:
         parser.error(f"--nproc {args.nproc} ranks but {gpus} GPU(s): NCCL needs one GPU per rank; use "
                      f"--nproc {gpus} or fewer, or --device cpu to run more ranks on the CPU")
+
+
+@contextmanager
+def ranks_report_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """A rank that fails on bad input (a checkpoint of another model, say) ends the command with
+    that error's one line, as a flag error does, instead of the launcher's traceback of every rank.
+    Any other failure is raised with its traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # Their tracebacks of the failed ranks are in the ChildFailedError re-raised below.
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing",
+                                                  "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except ChildFailedError as failed:
+        messages = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+                    for f in failed.failures.values()]
+        known = [m for m in messages if m.startswith(_USER_ERRORS)]
+        if not known:
+            raise
+        parser.exit(1, f"zeroshard: error: {known[0]}\n")
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
