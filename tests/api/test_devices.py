@@ -9,7 +9,7 @@ from torch import nn
 
 import zeroshard
 from zeroshard import devices
-from zeroshard.app import cli
+from zeroshard.app import cli, options
 from zeroshard.checks import check_model
 
 
@@ -150,5 +150,5 @@ def test_cli_device_and_rank_count(monkeypatch, capsys):
     import argparse
     for device, nproc in [("auto", 1), ("cpu", 2)]:  # --nproc defaults: every GPU on cuda, 2 on cpu
         args = argparse.Namespace(device=device, nproc=None)
-        cli._resolve_device(argparse.ArgumentParser(), args)
+        options.resolve_device(argparse.ArgumentParser(), args)
         assert (args.device, args.nproc) == ({"auto": "cuda"}.get(device, device), nproc)

@@ -33,11 +33,10 @@ def defaults_from_config(args: argparse.Namespace) -> None:
     --batch-size that contradicts the config's batch sizes is an error naming both."""
     import zeroshard
     config = zeroshard.Config.load(args.config) if args.config else zeroshard.Config()
-    given = {key: key in config.raw for key in ("bf16", "fp16")}
     if getattr(args, "stage", 0) is None:
         args.stage = config.zero.stage if "stage" in config.raw.get("zero_optimization", {}) else 3
     if args.precision is None:
-        args.precision = config.precision if any(given.values()) else "fp32"
+        args.precision = config.precision  # fp32 unless a bf16 or fp16 section enables it
     dp = args.nproc // getattr(args, "tp", 1)
     micro = config.train_micro_batch_size_per_gpu
     if micro is None and config.train_batch_size is not None:

@@ -142,7 +142,7 @@ def build_engine(args: TrainArgs):
     config = zeroshard.Config.load(args.engine_config())
     make_opt = optimizer_of(config, args)
     return DDPBaseline(model, make_opt, args.device, config) if args.ddp else \
-        zeroshard.initialize(model, make_opt, args.engine_config(), mesh=mesh)
+        zeroshard.initialize(model, make_opt, config, mesh=mesh)
 
 
 def optimizer_of(config: "zeroshard.Config", args: TrainArgs) -> Callable | None:
