@@ -16,8 +16,9 @@ _USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFini
 def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
     """--resume with --steps at or below the checkpoint's step would train nothing: say so."""
     import zeroshard
-    checkpoints = os.path.join(args.out, "checkpoints")
-    if not args.resume or not os.path.isfile(os.path.join(checkpoints, "latest")):
+    from .restart import LATEST, checkpoints_of
+    checkpoints = checkpoints_of(args.out)
+    if not args.resume or not os.path.isfile(os.path.join(checkpoints, LATEST)):
         return
     try:
         done = len((zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("losses", []))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+import zeroshard
 from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
 
 MIB = 2**20
@@ -114,3 +115,25 @@ def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cud
     lines.append(f"step ms in each of {rounds} round(s), side by side: {each}")
     lines.append("RSS+ = peak resident memory above the process's own before the model was built")
     return "\n".join(lines)
+
+
+def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: list[float], val: float,
+                 text: str, seconds: float, checkpoints: str) -> None:
+    """Rank 0, at the end of `zeroshard train`: the model, memory and traffic beside the paper's
+    formulas, the losses and their plot, where the checkpoint is, and the sample."""
+    psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
+    split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
+    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
+          f"{world} ranks, {args.precision} {type(engine.optimizer).__name__} "
+          f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
+    for line in memory_table(per_rank, psi, args.stage, args.precision, dp=world // args.tp):
+        print(line)
+    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
+    print(traffic_line(step_bytes, psi, args.stage, args.precision))
+    first = f"{history[0]:.4f} at step 1 -> " if history else ""
+    print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
+          f"{seconds:.1f} s in training steps this run")
+    plot = os.path.join(args.out, "loss.png")
+    plot_losses(history, val, plot)
+    print(f"loss curve: {plot}; checkpoint: {checkpoints} (resume with --resume)")
+    print("sample:\n" + "\n".join("  | " + line for line in text.splitlines()[:8]))

@@ -34,6 +34,11 @@ PROGRESS = ".zeroshard-progress.json"
 LATEST = "latest"  # the file in a checkpoint parent naming its newest complete checkpoint
 
 
+def checkpoints_of(out: str) -> str:
+    """Where a run with this --out saves its checkpoints (and a --resume looks for them)."""
+    return os.path.join(out, "checkpoints")
+
+
 def new_run_id() -> str:
     return uuid.uuid4().hex[:16]
 

@@ -20,14 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
-from zeroshard.paper import BYTES_PER_PARAM
 
 from .data import Batches, load_corpus
 from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
 from .baseline import DDPBaseline
-from .report import MIB, gpu_peak, memory_table, peak_rss, plot_losses, traffic_line
-from .restart import (drill_target, maybe_kill, new_run_id, report_line, resume, store_per_attempt,
-                      write_progress)
+from .report import MIB, gpu_peak, peak_rss, print_report
+from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
+                      store_per_attempt, write_progress)
 
 
 @dataclass
@@ -193,7 +192,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     rank = zeroshard.rank_and_world_size()[0]
     dp_rank, dp = data_rank(engine)
     data = Batches(load_corpus(args.data or None), args.seq_len)
-    checkpoints = os.path.join(args.out, "checkpoints")
+    checkpoints = checkpoints_of(args.out)
     history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume)
     progress = _progress(args, rank, initial=len(history))
     times, tokens = [], 0
@@ -222,7 +221,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
     peaks = zeroshard.gather_objects((peak_rss() - rss_before, gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
-        _report(engine, args, per_rank, history, val, text, sum(times))
+        print_report(engine, args, per_rank, history, val, text, sum(times), checkpoints)
         if resumed.restarts:
             print(report_line(resumed))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
@@ -239,7 +238,7 @@ def _checkpoint_if_due(engine, args: TrainArgs, history: list[float], track: boo
     if track:
         write_progress(args.out, args.run_id, done)
     if not args.ddp and args.save_every > 0 and done % args.save_every == 0 and done < args.steps:
-        engine.save_checkpoint(os.path.join(args.out, "checkpoints"),
+        engine.save_checkpoint(checkpoints_of(args.out),
                                client_state=_client_state(args, history))
         if track:  # alive after the save: the restart time counts from here
             write_progress(args.out, args.run_id, done)
@@ -289,23 +288,3 @@ def data_rank(engine) -> tuple[int, int]:
     one model shard read the same batch), the world for the DDP baseline."""
     comm = getattr(engine, "comm", None)
     return (comm.rank, comm.world_size) if comm is not None else zeroshard.rank_and_world_size()
-
-
-def _report(engine, args: TrainArgs, per_rank: list[dict[str, int]], history: list[float], val: float,
-            text: str, seconds: float) -> None:
-    psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
-    split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
-    print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
-          f"{world} ranks, {args.precision} {type(engine.optimizer).__name__} "
-          f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
-    for line in memory_table(per_rank, psi, args.stage, args.precision, dp=world // args.tp):
-        print(line)
-    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
-    print(traffic_line(step_bytes, psi, args.stage, args.precision))
-    first = f"{history[0]:.4f} at step 1 -> " if history else ""
-    print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
-          f"{seconds:.1f} s in training steps this run")
-    plot = os.path.join(args.out, "loss.png")
-    plot_losses(history, val, plot)
-    print(f"loss curve: {plot}; checkpoint: {os.path.join(args.out, 'checkpoints')} (resume with --resume)")
-    print("sample:\n" + "\n".join("  | " + line for line in text.splitlines()[:8]))
