@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.cli import zeroshard_here
 
 
 def zeroshard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -61,7 +62,7 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
-    done = zeroshard("train", *common, "--resume", "--out", str(tmp_path / "a"), check=False)
+    done = zeroshard_here("train", "--device", "cpu", *common, "--resume", "--out", str(tmp_path / "a"))
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
     # A rank's error on bad input ends the command with that one line, not every rank's traceback.
@@ -70,7 +71,7 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         "zeroshard: error: CheckpointError: checkpoint is from another model: 'tok.weight' has shape "
         "(256, 64) there, (256, 32) here (36 shapes differ)"], done.stderr
-    done = zeroshard("train", *common, "--batch-size", "8", check=False)
+    done = zeroshard_here("train", "--device", "cpu", *common, "--batch-size", "8")
     assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
         in done.stderr, done.stderr
 
@@ -139,13 +140,21 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),
 ])
 def test_user_errors(args, message):
-    done = zeroshard(*args, check=False)
+    if args[0] in ("train", "compare"):
+        args = [args[0], "--device", "cpu", *args[1:]]
+    done = zeroshard_here(*args)  # refused before any rank starts: no subprocess needed
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("command", ["train", "compare", "estimate", "consolidate"])
 def test_every_command_has_help(command):
-    assert "usage: zeroshard " + command in zeroshard(command, "--help").stdout
+    assert "usage: zeroshard " + command in zeroshard_here(command, "--help").stdout
+
+
+def test_the_installed_entry_point_refuses_bad_input_by_name():
+    """`python -m zeroshard` itself (the tests above call its main() in-process)."""
+    done = zeroshard("bogus", check=False)
+    assert done.returncode == 2 and "invalid choice" in done.stderr, done.stderr
 
 
 def test_compile_flag_compiles_every_block():

@@ -37,7 +37,9 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
 # large share of it). The server imports and never runs anything, so no thread or process group
 # is forked; each rank is a fresh process with its own. (Its environment is the server's, from
 # the first spawn on: a test that must change a rank's environment passes it as an argument.)
-mp.set_forkserver_preload(["torch", "torch.distributed", "zeroshard"])
+# torch._dynamo too: stage 3's hooks are wrapped in torch._dynamo.disable (units.py), and importing
+# it took ~2.5 s of each rank's CPU (a quarter of the parity tests' time).
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeroshard"])
 
 
 def spawn(fn, world_size: int, *args) -> None:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers.cli import Done, zeroshard_here
 from torch import nn
 
 from zeroshard.app.gpt import GPT, SIZES, GPTConfig, gpt_params
@@ -163,9 +164,9 @@ def test_hf_config_errors_name_the_key(config, message):
         hf_config_params(config)
 
 
-def zeroshard(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zeroshard", "estimate", *args], capture_output=True,
-                          text=True, timeout=120)
+def zeroshard(*args: str) -> Done:
+    """`zeroshard estimate ...`, in this process (it launches nothing)."""
+    return zeroshard_here("estimate", *args)
 
 
 def test_cli_reports_categories_and_all_stages():
@@ -237,6 +238,6 @@ def test_zero_r_checkpoints_match_the_papers_100b_example():
         ("C5", 2, True, True)]
     command = [sys.executable, "-m", "zeroshard", "estimate", "--layers", "125", "--width", "8192",
                "--nproc", "400", "--mp", "16", "--configs"]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    out = subprocess.run(command, capture_output=True, text=True, check=True)  # the real command, once
     rows = {line.split()[0]: line.split() for line in out.stdout.splitlines()[2:]}
     assert rows["C1"][3] == "33.55" and rows["C2"][3] == "2.10" and rows["C5"][3:5] == ["0.00", "2.10"]
