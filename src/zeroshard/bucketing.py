@@ -51,6 +51,25 @@ class Bucketed:
             complete(pending)
         return pending
 
+    def gather_together(self, fulls: list[torch.Tensor], shards: list[torch.Tensor],
+                        async_op: bool = False) -> Pending:
+        """fulls[i] = every rank's shards[i], for several buffers in one all-gather: the shards go
+        end to end into one bucket (rank by rank), copied out into each `full` once it lands."""
+        n, sizes = self.world_size, [s.numel() for s in shards]
+        send = torch.cat(shards)
+        bucket = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
+        self._staged(bucket)
+
+        def copy_out() -> None:
+            rows, start = bucket.view(n, -1), 0
+            for full, size in zip(fulls, sizes):
+                full.view(n, -1).copy_(rows[:, start:start + size])
+                start += size
+        pending: Pending = [(self.all_gather(bucket, send, async_op), copy_out, bucket)]
+        if not async_op:
+            complete(pending)
+        return pending
+
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
                             dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
         """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""

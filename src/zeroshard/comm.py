@@ -52,7 +52,11 @@ class _SumOnArrival:
                 self.work.wait()
             else:
                 self.work.wait(timeout=timeout)
-            torch.sum(self.received.view(self.ranks, -1), dim=0, out=self.output)
+            rows = self.received.view(self.ranks, -1)
+            if self.ranks == 2:  # one addition, the same bits as the sum, at half its cost here
+                torch.add(rows[0], rows[1], out=self.output)
+            else:
+                torch.sum(rows, dim=0, out=self.output)
             self.work = self.received = None  # the receive buffer is freed as soon as it is summed
         return True
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from .config import ConfigError
 from .construct import materialize_
-from .flat_param import FlatParam, ParamState
+from .flat_param import FlatParam, ParamState, prefetch_flats
 from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
@@ -224,6 +224,12 @@ class Unit:
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grad: order.before_backward(self), mode="any")
+
+
+def prefetch_together(units: list[Unit]) -> None:
+    """Issue the all-gathers of `units` (those not gathered or in flight), as one collective
+    where their buffers allow (flat_param.prefetch_flats)."""
+    prefetch_flats([f for u in units for f in u.flats])
 
 
 def _eager(hook: Callable) -> Callable:

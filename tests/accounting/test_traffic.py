@@ -39,9 +39,10 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
         elif stage in (1, 2):  # never a gradient all-reduce: that would make it 3Ψ
             assert step == {"all_reduce": flag, "all_gather": trainable, "reduce_scatter": trainable,
                             "broadcast": 0}
-        else:  # forward and backward gathers + reduce-scatter; two units stay gathered from forward
-            # to backward: the root, and the last block to run forward (backward starts with it)
-            last = 4 * sum(f.layout.padded_numel for f in engine.units[-1].flats)
+        else:  # forward and backward gathers + reduce-scatter; three units stay gathered from
+            # forward to backward: the root, the last block to run forward (backward starts with it)
+            # and the block before it (backward prefetches it at once)
+            last = 4 * sum(f.layout.padded_numel for u in engine.units[-2:] for f in u.flats)
             assert step == {"all_reduce": flag, "all_gather": 2 * everything - root - last,
                             "reduce_scatter": trainable, "broadcast": 0}
             assert sum(step.values()) - flag <= 3 * everything
