@@ -93,6 +93,27 @@ class Bucketed:
             complete(pending)
         return pending
 
+    def reduce_scatter_together(self, outs: list[torch.Tensor], fulls: list[torch.Tensor],
+                                accumulate: list[bool], async_op: bool = False) -> Pending:
+        """outs[i] (+)= this rank's shard of the mean over ranks of fulls[i], for several buffers in
+        one collective: every rank's part of each buffer goes end to end into one bucket (the same
+        division and sum as one buffer at a time, so the same bits)."""
+        n = self.world_size
+        bucket = torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1).div_(n)
+        self._staged(bucket)
+        reduced = torch.empty(bucket.numel() // n, dtype=bucket.dtype, device=bucket.device)
+
+        def copy_out() -> None:
+            start = 0
+            for out, add in zip(outs, accumulate):
+                part = reduced[start:start + out.numel()]
+                out.add_(part) if add else out.copy_(part)
+                start += out.numel()
+        pending: Pending = [(self.reduce_scatter(reduced, bucket, async_op), copy_out, bucket)]
+        if not async_op:
+            complete(pending)
+        return pending
+
     def all_reduce_mean(self, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
                         async_op: bool = False) -> Pending:
         """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""

@@ -127,15 +127,21 @@ class FlatGrad:
             if not self.policy.shard_optimizer:
                 self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
             else:
-                accumulate = self.policy.shard_grads and self.grad_state in (GradState.HELD,
-                                                                             GradState.ACCUMULATING_MORE)
+                accumulate = self._accumulating()
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
                 self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
                                                                 accumulate, async_op)
+        self._reduce_issued()
+
+    def _reduce_issued(self) -> None:
         if self.policy.shard_grads:
             self.grad_full = None  # in-flight work keeps its own reference until it completes
         self._set_grad_state(GradState.REDUCED)
         self._pending = set(self.slot_of)
+
+    def _accumulating(self) -> bool:
+        """Stages 2-3: is a reduced sum of earlier backwards to be added to?"""
+        return self.policy.shard_grads and self.grad_state in (GradState.HELD, GradState.ACCUMULATING_MORE)
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
@@ -202,3 +208,30 @@ class FlatGrad:
         elif self.grad_shard is not None:
             self.grad_shard.zero_()
         self._set_grad_state(GradState.EMPTY)
+
+
+def reducible_together(flats: list[FlatGrad]) -> bool:
+    """Can these buffers be reduce-scattered as one collective (stages 2-3, no host copies, one
+    dtype end to end, within reduce_bucket_size)?"""
+    if len(flats) < 2:
+        return False
+    first = flats[0]
+    return first.policy.shard_grads and \
+        sum(f.layout.padded_numel for f in flats) <= first.buckets.reduce and \
+        all(f.host is None and f.comm is first.comm and
+            f.full.dtype == first.full.dtype == f.precision.reduce_dtype == f.grad_shard.dtype for f in flats)
+
+
+def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
+    """reduce_grads() of several buffers in one reduce-scatter (reducible_together). The last
+    holds the work: completing it writes every buffer's shard (finish_backward completes all)."""
+    fulls = [f.grad_full if f.grad_full is not None else torch.zeros_like(f.full) for f in flats]
+    accumulate = [f._accumulating() for f in flats]
+    for f in flats:
+        f._grad_will_change()
+    comm = flats[-1].comm
+    with comm.about(" + ".join(f.label for f in flats)):
+        flats[-1].inflight += comm.reduce_scatter_together([f.grad_shard for f in flats], fulls, accumulate,
+                                                            async_op)
+    for f in flats:
+        f._reduce_issued()
