@@ -28,6 +28,11 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
                 engine.backward(loss_fn(engine(x), y))
                 engine.step()
         step = {k: v["bytes"] for k, v in engine.comm_stats()["last_step"].items()}
+        # One reduce-scatter per trainable buffer, except at stages 2-3, where the last two in reduce
+        # order (block 0's and the root's) always go out as one.
+        buffers = sum(f.trainable for f in engine.flats)
+        calls = engine.comm_stats()["last_step"]["reduce_scatter"]["calls"]
+        assert calls == {0: 0, 1: buffers, 2: buffers - 1, 3: buffers - 1}[stage], (stage, calls, buffers)
         # On gloo, comm.py reduce-scatters with all_to_all_single (the same bytes): counted as one.
         assert {k: v for k, v in step.items() if v} == by_kind(wire, all_to_all_reduces=True), (stage, wire)
         trainable = 4 * sum(f.layout.padded_numel for f in engine.flats if f.trainable)
