@@ -4,8 +4,9 @@ that `complete()` finishes later (overlap_comm, prefetch).
 
 Invariants: a buffer of any size is moved in chunks of at most `bucket_size` elements of each
 shard, so the staging memory is one bucket, not one buffer; a staged copy exists only when the
-layout or the dtype needs it (one chunk in the buffer's own dtype runs in place); every reduction
-averages (divides by the ranks) exactly once, before it is summed.
+layout or the dtype needs it (one chunk in the buffer's own dtype runs in place), or when several
+buffers travel as one collective (`gather_together`, `reduce_scatter_together`: within one bucket
+size); every reduction averages (divides by the ranks) exactly once, before it is summed.
 
 `Bucketed` is mixed into comm.Comm, whose counted collectives (all_gather, reduce_scatter,
 all_reduce) these methods call: only comm.py calls torch.distributed.

@@ -8,8 +8,10 @@ stages 2-3 a complete buffer is reduce-scattered at once (asynchronously with ov
 two in flight so memory stays bounded) — but only in one fixed order: reverse registration, roughly
 the order backward produces gradients. Which gradients arrive can differ between ranks (an expert
 that got no tokens on one rank), so a buffer that is complete but not next waits; the order of the
-collectives never depends on the data, and the ranks' collectives always pair up. At the end of
-backward the rest are reduced in the same order, with zeros where no gradient came.
+collectives never depends on the data, and the ranks' collectives always pair up. The last two
+buffers in that order go out together, as one reduce-scatter, where they can (`groups`, fixed at
+set-up). At the end of backward the rest are reduced in the same order, with zeros where no gradient
+came.
 """
 from __future__ import annotations
 
