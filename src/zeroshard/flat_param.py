@@ -271,7 +271,7 @@ class FlatParam(FlatGrad):
 def prefetch_flats(flats: list[FlatParam]) -> None:
     """Issue the all-gathers of the sharded buffers among `flats`; as one collective where they fit
     one bucket (allgather_bucket_size) in one dtype. They share one Pending: whichever is completed
-    first copies every buffer out of the bucket. Why: a gloo collective costs ~0.5 ms beside its bytes."""
+    first copies every buffer out of the bucket. Why: a gloo collective has a fixed cost beside its bytes."""
     due = [f for f in flats if f.state is ParamState.SHARDED]
     first = due[0] if due else None
     if len(due) < 2 or sum(f.layout.padded_numel for f in due) > first.buckets.gather or \

@@ -43,7 +43,7 @@ class UnitOrder:
         self._backward_at = len(self.current)
         if self.enabled:  # issue this unit's all-gather and the next ones', then wait for this one:
             # the next gathers overlap this wait. Those not yet in flight (the first unit's and the
-            # next, after a step) go out as one collective: on gloo each costs ~0.5 ms beside its bytes.
+            # next, after a step) go out as one collective: on gloo each has a fixed cost beside its bytes.
             prefetch_together([unit] + self._to_prefetch(self.previous[len(self.current):], unit))
         unit.gather()
         self.on_gather()

@@ -58,7 +58,7 @@ class GradientReducer:
         self._local_only = False        # inside no_sync(): accumulate, do not reduce
         # Reduced together, always (never by what arrived: the collectives must not depend on the
         # data): the last two buffers where they allow it, the block whose backward ends the pass
-        # and the root, whose embedding's gradient comes last. Each collective costs ~0.5 ms on gloo.
+        # and the root, whose embedding's gradient comes last. Each collective has a fixed cost on gloo.
         tail = self.order[-2:]
         self.groups = [[f] for f in self.order[:-2]] + ([tail] if reducible_together(tail) else
                                                         [[f] for f in tail])
