@@ -36,12 +36,13 @@ class _Plan:
     """What one flat buffer reads: DCP request tensors, where each piece goes, and the parameters
     laid out otherwise than saved (tp changed: read whole, then reordered)."""
 
-    def __init__(self, flat: FlatParam, meta: dict[str, Any]) -> None:
+    def __init__(self, flat: FlatParam, meta: dict[str, Any], with_state: bool) -> None:
         self.flat = flat
+        self.with_state = with_state and flat.trainable  # read and write its optimizer state
         self.request: dict[str, torch.Tensor] = {}
         self.wanted: list[Wanted] = []
         self.reorder: dict[str, int] = {}  # name -> the dim this run lays first
-        keys = ["param"] + ([f"optim.{k}" for k in meta["elementwise"]] if flat.trainable else [])
+        keys = ["param"] + ([f"optim.{k}" for k in meta["elementwise"]] if self.with_state else [])
         for name, start, a, b, dim in slices(flat, *flat.owned_range()):
             if dim != meta.get("dims", {}).get(name, 0):
                 self.reorder[name] = dim
@@ -61,17 +62,19 @@ class _Plan:
 
 
 def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm,
-         buffers: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Collective. Fills parameters, optimizer state and buffers; returns the `extra` saved."""
+         buffers: dict[str, torch.Tensor], optimizer_states: bool = True) -> dict[str, Any]:
+    """Collective. Fills parameters, buffers and (with optimizer_states) the optimizer's state and
+    hyperparameters; without, the optimizer starts afresh. Returns the `extra` saved."""
     path, parent = resolve_everywhere(path, comm)
     integrity.verify(path, comm, parent)
     meta = read_meta(path, comm.group)
     shapes = {name: shape for name, (shape, _) in whole_shapes(flats).items()}
     trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
-    checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer.param_groups, IMPLEMENTATION_KEYS)
+    checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer if optimizer_states else None,
+                                     IMPLEMENTATION_KEYS)
     saved_keys = checkpoint_meta.read_index(path)
     stored_buffers = {f"buffer/{n}": b.shape for n, b in buffers.items()}
-    checkpoint_meta.check_stored(meta, saved_keys, trainable, stored_buffers)
+    checkpoint_meta.check_stored(meta, saved_keys, trainable if optimizer_states else set(), stored_buffers)
     small: dict[str, Any] = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in buffers.items()}
     if f"rng/{comm.rank}" in saved_keys:
         small[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
@@ -79,12 +82,12 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         small[f"rng_cuda/{comm.rank}"] = torch.empty_like(torch.cuda.get_rng_state(comm.device))
     streamed = any(_store(f) is not None for f in flats)  # alike on every rank: the same config
     groups = [[f] for f in flats] if streamed else [flats]  # the same count on every rank
-    plans = [_Plan(f, meta) for f in groups[0]]
+    plans = [_Plan(f, meta, optimizer_states) for f in groups[0]]
     _read(path, comm, small | _requests(plans))
     integrity.agree(comm, _invalid_rng(small, comm))  # the last check, before the first write
     for k, group in enumerate(groups):
         if k > 0:  # read only now: memory holds one flat buffer's pieces at a time
-            plans = [_Plan(f, meta) for f in group]
+            plans = [_Plan(f, meta, optimizer_states) for f in group]
             try:
                 _read(path, comm, _requests(plans))
             except CheckpointError as e:
@@ -93,7 +96,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         for plan in plans:
             _apply(meta, plan, optimizer)
         plans = []
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"] if optimizer_states else []):
         # Hyperparameters come from the checkpoint; how this run computes them (a fused CPU kernel
         # over offloaded shards, or not) stays this run's.
         group.update({k: v for k, v in saved.items() if k not in IMPLEMENTATION_KEYS})
@@ -182,9 +185,11 @@ def _apply(meta: dict[str, Any], plan: _Plan, optimizer: torch.optim.Optimizer) 
     send the pages it wrote to disk and out of memory."""
     _reorder(meta, plan)
     flat, request = plan.flat, plan.request
-    if flat.trainable:
+    if plan.with_state:
         _fresh_state(meta, flat, optimizer)
-    keys = meta["elementwise"] if flat.trainable else []
+    elif flat.trainable:
+        optimizer.state.pop(flat.opt_param, None)  # starts afresh, as before its first step
+    keys = meta["elementwise"] if plan.with_state else []
     lo, hi = flat.owned_range()
     with torch.no_grad():
         for name, piece, length, offset, first, end in plan.wanted:

@@ -64,6 +64,7 @@ def check_meta(meta: Any) -> None:
     groups = meta["param_groups"]
     _need(isinstance(groups, list) and all(isinstance(g, dict) and _strings(list(g)) and "params" not in g
                                            for g in groups), "param_groups are not a list of dicts")
+    _need(isinstance(meta.get("optimizer", ""), str), f"optimizer {meta.get('optimizer')!r}")
     _check_extra(meta["extra"])
 
 
@@ -113,9 +114,10 @@ def _check_extra(extra: Any) -> None:
 
 
 def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], trainable: set[str],
-                     groups: list[dict[str, Any]], implementation_keys: Iterable[str]) -> None:
-    """The checkpoint (its meta checked) is of this model: the same parameters and shapes, the same
-    ones trainable, as many parameter groups, and hyperparameters of the same kind."""
+                     optimizer: torch.optim.Optimizer | None, implementation_keys: Iterable[str]) -> None:
+    """The checkpoint (its meta checked) is of this model: the same parameters and shapes; and,
+    when its optimizer state is to be loaded (`optimizer` given), the same optimizer class, the
+    same parameters trainable, as many parameter groups, and hyperparameters of the same kind."""
     theirs = {name: tuple(shape) for name, (shape, _) in meta["shapes"].items()}
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or extra:
@@ -126,15 +128,25 @@ def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], tra
         name, saved, now = wrong[0]
         raise CheckpointError(f"checkpoint is from another model: '{name}' has shape {saved} there, "
                               f"{now} here ({len(wrong)} shapes differ)")
+    if optimizer is None:
+        return
+    saved_class, our_class = meta.get("optimizer"), type(optimizer).__name__  # absent: saved before it was
+    if saved_class is not None and saved_class != our_class:
+        raise CheckpointError(f"the checkpoint holds {saved_class}'s state, but this engine's optimizer is "
+                              f"{our_class}: that state would be misread or ignored. Resume with "
+                              f"{saved_class}, or load the weights alone: "
+                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
     if "trainable" in meta and trainable != set(meta["trainable"]):
         changed = sorted(trainable ^ set(meta["trainable"]))
         raise CheckpointError(f"parameters frozen at save time are trainable now, or the reverse: "
                               f"{changed[:5]}; their optimizer state cannot match. Freeze the same "
-                              f"parameters as when saving, or start from the weights alone "
-                              f"(zeroshard.consolidate)")
+                              f"parameters as when saving, or load the weights alone: "
+                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
+    groups = optimizer.param_groups
     if len(meta["param_groups"]) != len(groups):
         raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} parameter groups, the "
-                              f"optimizer has {len(groups)}")
+                              f"optimizer has {len(groups)}; use as many, or load the weights alone: "
+                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
     _check_groups(meta["param_groups"], groups, set(implementation_keys) | {"params"})
 
 

@@ -50,11 +50,15 @@ class EngineState:
             self._world_comm = Comm(None)
         return self._world_comm
 
-    def load_checkpoint(self, load_dir: str, missing_ok: bool = False) -> Any:
+    def load_checkpoint(self, load_dir: str, missing_ok: bool = False,
+                        load_optimizer_states: bool = True) -> Any:
         """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
         any world size and stage; returns the saved client_state. Nothing changes if it fails.
         With missing_ok, a missing or empty directory is no error: it logs a line and returns None,
-        so "resume if there is anything to resume" is one call."""
+        so "resume if there is anything to resume" is one call. With load_optimizer_states=False,
+        the weights, buffers, step count, random state and client_state are loaded, and the
+        optimizer (its state and hyperparameters), the lr scheduler and the loss scale start
+        afresh: for a new optimizer, new parameter groups or other parameters frozen."""
         if checkpoint.resolve(load_dir, missing_ok) is None:
             logger.info("no checkpoint in '%s': starting from the model's own values", load_dir)
             return None
@@ -64,7 +68,7 @@ class EngineState:
             flat.await_host_read()  # an offloaded shard is written in place
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint_load.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
-                                         self._buffers)
+                                         self._buffers, load_optimizer_states)
             disk = self.copier.disk if self.copier is not None else None
             for flat in self.flats:
                 flat.zero_grad()
@@ -83,6 +87,8 @@ class EngineState:
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
         clock = self.comm.watch.clock
         clock.step, clock.micro = self.global_steps, self.micro_steps
+        if not load_optimizer_states:
+            return extra["client_state"]
         self.scaler.load_state_dict(extra["scaler"])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

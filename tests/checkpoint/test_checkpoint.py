@@ -205,8 +205,34 @@ def _bad_checkpoints(rank: int, world_size: int, directory: str) -> None:
         other.load_checkpoint(os.path.join(directory, "saved"))
     with pytest.raises(zeroshard.CheckpointError, match="cannot read checkpoint"):
         engine.load_checkpoint(os.path.join(directory, "corrupt"))
+    sgd = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(zeroshard.CheckpointError, match=r"holds AdamW's state, but this engine's optimizer "
+                                                        r"is SGD.*load_optimizer_states=False"):
+        sgd.load_checkpoint(os.path.join(directory, "saved"))
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was modified
+
+
+def _weights_alone(rank: int, world_size: int, stage: int, directory: str) -> None:
+    """A checkpoint's weights under another optimizer train as if the model had been built with
+    them: compared with one process that loads the weights saved and trains with SGD from scratch."""
+    engine = _sgd_engine({}, stage, seed=5)
+    client = engine.load_checkpoint(directory, load_optimizer_states=False)
+    assert client == {"next_step": FIRST} and engine.global_steps == FIRST
+    assert engine.optimizer.param_groups[0]["lr"] == 0.05  # SGD's own, not AdamW's saved 1e-2
+    _train(engine, rank, world_size, range(SECOND))
+
+    def saved_model() -> TinyGPT:
+        model = TinyGPT()
+        model.load_state_dict(torch.load(os.path.join(directory, "full_at_save_0.pt")))
+        return model
+    reference = reference_run(saved_model, _sgd, SECOND, GLOBAL_BATCH, scheduler=_scheduler)[0]
+    assert_weights_match(engine, reference.state_dict(), 1e-5, 2e-6, f"weights alone at stage {stage}:")
+
+
+def test_weights_alone_load_under_another_optimizer(tmp_path):
+    spawn(_save, 2, 3, str(tmp_path))
+    spawn(_weights_alone, 3, 2, str(tmp_path))
 
 
 def test_bad_checkpoints_are_named_and_change_nothing(tmp_path):

@@ -171,6 +171,9 @@ def _lifecycle(rank: int, world_size: int, directory: str) -> None:
     with pytest.raises(zeroshard.CheckpointError,
                        match=r"frozen at save time are trainable now.*frozen\.bias"):
         other.load_checkpoint(directory)
+    other.load_checkpoint(directory, load_optimizer_states=False)  # the weights alone: allowed
+    saved = engine.full_state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in other.full_state_dict().items())
 
 
 def test_engine_lifecycle_and_checkpoint_edges(tmp_path):
