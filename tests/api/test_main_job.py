@@ -58,7 +58,10 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
                                   "train_micro_batch_size_per_gpu": 4}))
     common = ("--steps", "2", "--size", "tiny", "--config", str(config))
     out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
-    assert "ZeRO stage 1, 2 ranks, bf16 SGD" in out, out
+    assert "ZeRO stage 1, 2 ranks, bf16 SGD (2+2+4 bytes/param)" in out, out  # K: the fp32 master alone
+    rows = [line.split() for line in out.splitlines()
+            if line.strip()[:1].isdigit() and len(line.split()) == 6]
+    assert len(rows) == 2 and all(abs(float(row[4]) - float(row[5])) < 0.02 for row in rows), out
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out

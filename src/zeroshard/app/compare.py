@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 import zeroshard
-from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
+from zeroshard.paper import paper_model_state_bytes
 
 from .data import Batches, load_corpus
 from .report import MIB, comparison_table, plot_comparison
@@ -92,7 +92,7 @@ def _row(name: str, stage: int, timed: list[list[float]], alone: dict[str, Any],
          args: TrainArgs) -> dict[str, Any]:
     """One implementation's line: the median over rounds of each round's median step (side by side);
     memory and losses from its run alone."""
-    p, g, k = BYTES_PER_PARAM[args.precision]
+    p, g, k = alone["bytes_per_param"]
     each = [statistics.median(t) for t in timed]
     return {"name": name, "step_ms": statistics.median(each), "step_ms_each": each,
             "model_states_mib": alone["model_states"] / MIB,

@@ -24,11 +24,27 @@ def gpu_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
-def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, precision: str,
+def bytes_per_param(optimizer: torch.optim.Optimizer, precision: str) -> tuple[int, int, int]:
+    """The paper's (p, g, K) for this run: p and g from the precision; K from what the optimizer
+    keeps per element (Adam's two fp32 moments 8, SGD's momentum 4, plain SGD 0; known once it
+    has stepped) plus the fp32 master copy that 16-bit training adds. Adam gives the paper's K."""
+    p, g, _ = BYTES_PER_PARAM[precision]
+    master = 4 if precision != "fp32" else 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and param.numel() > 0:
+                return p, g, master + sum(v.element_size() for v in state.values()
+                                          if isinstance(v, torch.Tensor) and v.numel() == param.numel())
+    return p, g, master
+
+
+def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, pgk: tuple[int, int, int],
                  dp: int | None = None) -> list[str]:
     """Model-state bytes per rank by category, beside the paper's formula for this stage and N (the
-    data-parallel degree dp: every rank by default; under tp, Ψ is a rank's tp part)."""
-    p, g, k = BYTES_PER_PARAM[precision]
+    data-parallel degree dp: every rank by default; under tp, Ψ is a rank's tp part) with `pgk`
+    bytes per parameter (bytes_per_param)."""
+    p, g, k = pgk
     formula = paper_model_state_bytes(psi, dp or len(per_rank), stage, p, g, k)
     header = ("rank", "params", "grads", "optimizer", "states", "paper")
     lines = [f"{header[0]:>6} " + " ".join(f"{h:>10}" for h in header[1:]) + "  (MiB)"]
@@ -123,10 +139,11 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     formulas, the losses and their plot, where the checkpoint is, and the sample."""
     psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
     split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
+    pgk = bytes_per_param(engine.optimizer, args.precision)
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
           f"{world} ranks, {args.precision} {type(engine.optimizer).__name__} "
-          f"({'+'.join(map(str, BYTES_PER_PARAM[args.precision]))} bytes/param)")
-    for line in memory_table(per_rank, psi, args.stage, args.precision, dp=world // args.tp):
+          f"({'+'.join(map(str, pgk))} bytes/param)")
+    for line in memory_table(per_rank, psi, args.stage, pgk, dp=world // args.tp):
         print(line)
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     print(traffic_line(step_bytes, psi, args.stage, args.precision))

@@ -24,7 +24,7 @@ import zeroshard
 from .data import Batches, load_corpus
 from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
 from .baseline import DDPBaseline
-from .report import MIB, gpu_peak, peak_rss, print_report
+from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report
 from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
                       store_per_attempt, write_progress)
 
@@ -227,6 +227,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
             "model_states": stats["model_states"], "psi": engine.num_parameters(),
+            "bytes_per_param": bytes_per_param(engine.optimizer, args.precision),
             "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks),
             "run_id": args.run_id, **resumed.as_dict()}
 
