@@ -7,11 +7,11 @@
 Trainer keeps its own loop (data, sampler, accumulation windows, loss scaling for accumulation, lr
 schedule, logging, evaluation, checkpoint rotation); only the parts that touch parameters or
 gradients are routed to the engine, through the smallest set of overrides:
-  create_optimizer  builds the engine (once per model) and gives Trainer `_EngineOptimizer`, whose
+  create_optimizer  builds the engine (once per model) and gives Trainer `EngineOptimizer`, whose
                     step() is engine.step(); the lr scheduler Trainer builds over it moves the engine
                     optimizer's own param_groups;
   create_scheduler  zero_config's DeepSpeed "scheduler" section, if any, "auto" filled (schedules.py);
-  _wrap_model       returns `_EngineModule` (the engine as an nn.Module) instead of DDP, for training
+  _wrap_model       returns `EngineModule` (the engine as an nn.Module) instead of DDP, for training
                     and evaluation alike (stage 3 needs the engine's forward to gather parameters);
   training_step     Trainer's own, with its one accelerator.backward(loss) call sent to engine.backward;
   _clip_grad_norm, _get_grad_norm, _maybe_log_save_evaluate: the engine clips inside step(), and the
@@ -26,7 +26,6 @@ sampler's position (a function of the step) means the same samples.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import types
 from typing import Any
@@ -44,84 +43,11 @@ from . import ensure_process_group, initialize, rank_and_world_size
 from .config import Config
 from .config.sections import OPTIMIZERS
 from .engine import Engine
+from .hf_adapters import EngineModule, EngineOptimizer
 from .hf_config import check_arguments, fill_scheduler, resolve_config
 from .schedules import DeepSpeedSchedule
 
 _STATE_DIR = "zeroshard"  # the engine's sharded checkpoint, inside Trainer's checkpoint-N folder
-_SHARDED_STATE = ("zeroshard's optimizer state is sharded across ranks: ZeroTrainer saves and loads it "
-                  "with the engine's checkpoints (checkpoint-N/zeroshard), not as one state_dict")
-
-
-class _EngineModule(nn.Module):
-    """The engine behind nn.Module's interface, for Trainer's loop. Holds no parameters of its own:
-    `.to()`, `.zero_grad()` and the like must not reach the engine's flat buffers."""
-
-    def __init__(self, engine: Engine, label_names: list[str]) -> None:
-        super().__init__()
-        self.engine, self._label_names = engine, set(label_names)
-        self._dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(engine.config.precision)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._dtype is not None:  # the module computes in 16 bits: floating inputs follow (not labels)
-            kwargs = {k: v.to(self._dtype) if torch.is_tensor(v) and v.is_floating_point()
-                      and k not in self._label_names else v for k, v in kwargs.items()}
-        return self.engine(*args, **kwargs)
-
-    def _get_name(self) -> str:  # what Trainer's label smoother asks of the model (causal LM or not)
-        return self.engine.module._get_name()
-
-    def train(self, mode: bool = True) -> "_EngineModule":
-        self.training = mode
-        self.engine.train(mode)
-        return self
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: engine.step() clears the flat gradients."""
-
-    def no_sync(self) -> Any:
-        """accelerator.no_sync calls this for all but the last micro-batch of a window. Stages 0-1 keep
-        full gradients anyway, so they reduce once per window, as DDP; stages 2-3 reduce-scatter each
-        micro-batch into their shards rather than hold full-size gradients between backwards."""
-        return self.engine.no_sync() if self.engine.config.stage < 2 else contextlib.nullcontext()
-
-
-class _EngineOptimizer(torch.optim.Optimizer):
-    """What Trainer calls its optimizer: step() is engine.step(); param_groups are the engine
-    optimizer's own (so the lr scheduler sets the learning rate the engine uses). Marked as prepared,
-    so accelerate neither wraps it nor misses `step_was_skipped` (an fp16 overflow, or a non-finite
-    step skipped by zeroshard.on_nonfinite: the lr schedule then stands still, as in Trainer).
-    Like accelerate's own optimizer wrapper, it does not run Optimizer.__init__."""
-
-    _is_accelerate_prepared = True
-
-    def __init__(self, engine: Engine) -> None:  # not Optimizer.__init__: it would take parameters
-        self.engine, self.step_was_skipped = engine, False
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.engine.optimizer.param_groups
-
-    @property
-    def defaults(self) -> dict:
-        return self.engine.optimizer.defaults
-
-    @property
-    def state(self) -> Any:
-        return self.engine.optimizer.state
-
-    def step(self, closure: Any = None) -> None:
-        skipped = self.engine.skipped_steps
-        self.engine.step()
-        self.step_was_skipped = self.engine.skipped_steps != skipped
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: engine.step() clears the flat gradients."""
-
-    def state_dict(self) -> dict:
-        raise RuntimeError(_SHARDED_STATE)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        raise RuntimeError(_SHARDED_STATE)
 
 
 def _generate_on_every_rank(model: nn.Module, *args: Any, synced_gpus: bool = True, **kwargs: Any) -> Any:
@@ -139,7 +65,7 @@ class ZeroTrainer(Trainer):
     def __init__(self, model: Any = None, args: Any = None, *rest: Any,
                  zero_config: "dict | str | os.PathLike | Config | None" = None, **kwargs: Any) -> None:
         self.engine: Engine | None = None
-        self._wrapped: _EngineModule | None = None
+        self._wrapped: EngineModule | None = None
         self._flop_params: int | None = None  # counted before stage 3 leaves the module's tensors empty
         if args is not None:
             check_arguments(args)  # before Trainer sets up a DeepSpeed or FSDP plugin from them
@@ -169,8 +95,8 @@ class ZeroTrainer(Trainer):
         for all but biases and norms."""
         if self.engine is None or self.engine.module is not self.model:
             self.engine = self._build_engine(self.model)
-            self._wrapped = _EngineModule(self.engine, self.label_names)
-            self.optimizer = _EngineOptimizer(self.engine)
+            self._wrapped = EngineModule(self.engine, self.label_names)
+            self.optimizer = EngineOptimizer(self.engine)
         return self.optimizer
 
     def _build_engine(self, model: nn.Module) -> Engine:

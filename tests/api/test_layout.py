@@ -125,3 +125,9 @@ def test_lint():
     done = subprocess.run([ruff, "check", "src", "tests", "benchmarks", "examples"], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_module_is_short():
+    """One idea per file, readable in one sitting: every module under 300 lines."""
+    long = {name: n for name, path in _modules().items() if (n := len(open(path).readlines())) >= 300}
+    assert not long, f"modules of 300 lines or more: {long}; split them by concept"
