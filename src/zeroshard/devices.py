@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import threading
 from datetime import timedelta
 
 import torch
@@ -73,12 +75,32 @@ def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -
     atexit.register(_release_group)
 
 
+RELEASE_WAIT_S = 15.0  # what a clean teardown takes is milliseconds
+
+
 def _release_group() -> None:
     """At exit, the group zeroshard started is destroyed, unless the script did it already: a gloo
     group left alive to the interpreter's teardown can abort the process there (std::terminate,
-    seen on torch 2.13 once torch._dynamo has run)."""
-    if dist.is_initialized():
+    seen on torch 2.13 once torch._dynamo has run).
+
+    A group with a collective still in flight (a DivergenceError, or an error on one rank while
+    the others wait) blocks its destruction until the collective times out, up to
+    collective_timeout: the job would sit there long after its error was printed. So the teardown
+    gets RELEASE_WAIT_S, then the process leaves with status 1, its error already reported."""
+    if not dist.is_initialized():
+        return
+    released = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        released.set()
+    threading.Thread(target=destroy, name="zeroshard-release", daemon=True).start()
+    if not released.wait(RELEASE_WAIT_S):
+        sys.stderr.write(f"zeroshard: the process group could not be shut down within {RELEASE_WAIT_S:.0f} s "
+                         f"(a collective is still in flight, as after a DivergenceError): exiting\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -21,6 +23,7 @@ from torch import nn
 
 import zeroshard
 from helpers.models import Block, loss_fn
+from helpers import TESTS
 from helpers.spawn import free_port
 
 TIMEOUT = 2.0  # zeroshard.collective_timeout in most drills (seconds)
@@ -140,3 +143,20 @@ def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str
         assert result["error"] == "DivergenceError", result
         assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
         assert "collectives diverged at call #" in result["message"], result
+
+
+def test_a_diverged_torchrun_job_exits(tmp_path) -> None:
+    """Under torchrun, processes run zeroshard's exit hook (the drills above end with os._exit). A
+    group left with a collective in flight blocks its own teardown until the collective times out
+    (600 s here): the hook gives up after devices.RELEASE_WAIT_S, so the job ends with its error."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "uneven_script.py")
+    env = {**os.environ, "ZEROSHARD_BACKEND": "gloo",
+           "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", script, "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "DivergenceError" in out and "exported" not in out, out[-3000:]
+    assert seconds < 120, f"the job took {seconds:.0f} s to end after diverging"
