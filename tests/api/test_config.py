@@ -114,9 +114,18 @@ def test_precision_sections():
 
 
 def test_batch_sizes_must_agree_with_world_size():
-    cfg = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    cfg = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                       "gradient_accumulation_steps": 1})
     cfg.check_batch_sizes(4)
     with pytest.raises(ConfigError, match="train_batch_size=16 != train_micro_batch_size_per_gpu=4"):
+        cfg.check_batch_sizes(3)
+    # Both batch sizes alone set the accumulation, as in DeepSpeed: 16 = 4 x 2 x 2 ranks.
+    cfg = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})
+    cfg.check_batch_sizes(2)
+    assert cfg.gradient_accumulation_steps == 2
+    cfg.check_batch_sizes(4)
+    assert cfg.gradient_accumulation_steps == 1
+    with pytest.raises(ConfigError, match="train_batch_size=16 is not a whole number of micro-batches"):
         cfg.check_batch_sizes(3)
 
 

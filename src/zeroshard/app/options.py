@@ -40,8 +40,8 @@ def defaults_from_config(args: argparse.Namespace) -> None:
         args.precision = config.precision  # fp32 unless a bf16 or fp16 section enables it
     dp = args.nproc // getattr(args, "tp", 1)
     micro = config.train_micro_batch_size_per_gpu
+    config.check_batch_sizes(dp)  # and, from both batch sizes alone, the accumulation steps
     if micro is None and config.train_batch_size is not None:
-        config.check_batch_sizes(dp)
         micro = config.train_batch_size // (config.gradient_accumulation_steps * dp)
     if args.batch_size is not None and micro is not None and args.batch_size != micro:
         raise ValueError(f"--batch-size {args.batch_size} but the config's batch sizes give a micro-batch "

@@ -140,8 +140,16 @@ class Settings:
         return DTYPES[name or self.precision]
 
     def check_batch_sizes(self, world_size: int) -> None:
-        """DeepSpeed's rule: train_batch_size = micro batch x accumulation steps x world size."""
+        """DeepSpeed's rule: train_batch_size = micro batch x accumulation steps x world size. As in
+        DeepSpeed, the two batch sizes without gradient_accumulation_steps set the accumulation."""
         tbs, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if tbs is not None and micro is not None and "gradient_accumulation_steps" not in self.raw:
+            if tbs % (micro * world_size):
+                raise ConfigError(f"train_batch_size={tbs} is not a whole number of micro-batches: "
+                                  f"train_micro_batch_size_per_gpu={micro} x world size {world_size} "
+                                  f"= {micro * world_size} samples each; fix one of them")
+            self.gradient_accumulation_steps = tbs // (micro * world_size)
+            return
         gas = self.gradient_accumulation_steps
         if tbs is not None and micro is not None and tbs != micro * gas * world_size:
             raise ConfigError(
