@@ -71,6 +71,10 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
     elif isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
         cls, kwargs = spec, (config.optimizer.params if config.optimizer else {})
     elif callable(spec):
+        if config.optimizer is not None:  # which one the user meant cannot be guessed
+            raise ConfigError(f"two optimizers: the callable {getattr(spec, '__name__', spec)!r} and the "
+                              f"config's \"optimizer\" section ({config.optimizer.type}); drop one, or pass "
+                              f"the class (e.g. torch.optim.SGD) to build it with the section's params")
         cls, kwargs = spec, {}
     else:
         raise TypeError(f"optimizer must be a callable, an Optimizer class or None, "

@@ -48,6 +48,9 @@ def test_optimizer_forms():
         zeroshard.initialize(nn.Linear(4, 4), config={"optimizer": {"type": "Adam", "params": {"lrr": 1}}})
     with pytest.raises(TypeError, match="not a torch.optim.Optimizer"):
         zeroshard.initialize(nn.Linear(4, 4), lambda p: 3)
+    with pytest.raises(zeroshard.ConfigError, match="two optimizers: the callable .<lambda>. and"):
+        zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.5),
+                             {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
     engine = zeroshard.initialize(nn.Linear(4, 4), torch.optim.SGD,
                                   {"optimizer": {"type": "sgd", "params": {"lr": 0.5}}})
     assert isinstance(engine.optimizer, torch.optim.SGD) and engine.optimizer.param_groups[0]["lr"] == 0.5
