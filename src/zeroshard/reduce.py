@@ -65,6 +65,7 @@ class GradientReducer:
         self._next = 0                  # position in `groups` of the next to reduce
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
         self._ends_cycle = False        # this backward ends an accumulation cycle
+        self.arrived = 0                # gradients that arrived this cycle (a step with none is a mistake)
         self._unit_of = {id(f): u for u in units for f in u.flats}
         self._install_hooks()
 
@@ -97,6 +98,7 @@ class GradientReducer:
     def end_step(self) -> None:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
         self._set_phase(CyclePhase.ACCUMULATING)
+        self.arrived = 0
 
     @property
     def _reducing_as_complete(self) -> bool:
@@ -104,6 +106,7 @@ class GradientReducer:
 
     def on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
         flat = self.units[unit_index].flats[flat_index]
+        self.arrived += 1
         if flat.accumulate(param):
             self.on_complete()
             if self._reducing_as_complete:

@@ -192,6 +192,20 @@ def test_silent_mistakes_are_refused(one_process_group):
     if hasattr(torch.optim, "Adafactor"):
         with pytest.raises(zeroshard.ConfigError, match="Adafactor updates each parameter from"):
             zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.Adafactor(p))
+    # A stray step() (an accumulation loop off by one): torch's would not move a parameter without
+    # a gradient; ZeRO's zero gradients would take weight decay. Refused, nothing changed; after a
+    # backward the same engine steps.
+    engine = zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.AdamW(p, lr=0.1),
+                                  {"zero_optimization": {"stage": 2}})
+    before = engine.full_state_dict()
+    with pytest.raises(RuntimeError, match="step\\(\\) with no backward since the last update"):
+        engine.step()
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    assert engine.global_steps == 1
+    with pytest.raises(RuntimeError, match="no backward since the last update"):
+        engine.step()
 
 
 def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
