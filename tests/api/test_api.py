@@ -105,3 +105,25 @@ def _copy(model: TinyGPT) -> TinyGPT:
 @pytest.mark.parametrize("world_size", [2])
 def test_eval_exports_and_backward_variants(world_size):
     spawn(_api, world_size)
+
+
+def test_helpers_before_the_process_group_starts():
+    """A script shards its data before initialize(): the rank and world size come from torchrun's
+    variables; alone, the collectives' helpers need no group; among several, they say what to call."""
+    script = ("import torch, zeroshard\n"
+              "from torch import nn\n"
+              "print(zeroshard.rank_and_world_size(), zeroshard.mean_over_ranks(torch.tensor(2.5)),\n"
+              "      zeroshard.gather_objects('x'))\n"
+              "with zeroshard.init():\n"
+              "    deferred = nn.Linear(2, 2)\n"
+              "print(zeroshard.is_deferred(deferred), zeroshard.is_deferred(nn.Linear(2, 2)))\n"
+              "import os\n"
+              "os.environ.update(RANK='1', WORLD_SIZE='3')\n"
+              "print(zeroshard.rank_and_world_size())\n"
+              "zeroshard.mean_over_ranks(1.0)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.stdout.splitlines() == ["(0, 1) 2.5 ['x']", "True False", "(1, 3)"], done.stdout + done.stderr
+    assert "mean_over_ranks() before the process group started: call zeroshard.initialize() or " \
+           "zeroshard.ensure_process_group() first" in done.stderr, done.stderr

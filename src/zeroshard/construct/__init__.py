@@ -35,6 +35,10 @@ def init(device: torch.device | str | None = None) -> Iterator[Recording]:
 
 
 def is_deferred(t: object) -> bool:
+    """A tensor built under zeroshard.init() and not materialized yet; a module holding any such
+    parameter or buffer."""
+    if isinstance(t, nn.Module):
+        return any(isinstance(x, DeferredTensor) for x in (*t.parameters(), *t.buffers()))
     return isinstance(t, DeferredTensor)
 
 
