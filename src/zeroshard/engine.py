@@ -25,6 +25,7 @@ from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
 from .diverge import Watch
+from .engine_compat import EngineCompat
 from .engine_state import EngineState
 from .nonfinite import NonFiniteGuard
 from .offload import Copier
@@ -59,9 +60,10 @@ _STATE_MOVES = {
 }
 
 
-class Engine(EngineState):
+class Engine(EngineState, EngineCompat):
     """The wrapped model. Use it as the model; call backward() and step() instead of the usual ones.
-    (Checkpoints, exports and measurements: engine_state.EngineState.)"""
+    (Checkpoints, exports and measurements: engine_state.EngineState; DeepSpeed's conveniences and
+    pointers for nn.Module's names: engine_compat.EngineCompat.)"""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
                  param_groups: list[dict] | None = None, lr_scheduler: Any = None,

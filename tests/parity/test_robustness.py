@@ -206,6 +206,18 @@ def test_silent_mistakes_are_refused(one_process_group):
     assert engine.global_steps == 1
     with pytest.raises(RuntimeError, match="no backward since the last update"):
         engine.step()
+    # DeepSpeed's conveniences, and nn.Module's names answered with what to use instead.
+    assert engine.get_lr() == [0.1] and engine.get_global_grad_norm() > 0
+    engine.zero_grad()  # a torch loop's habit before the forward: nothing to clear
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) after backward\\(\\) and before step"):
+        engine.zero_grad()
+    engine.step()
+    with pytest.raises(AttributeError, match="no attribute 'state_dict': the full fp32 weights are "
+                                             "engine.full_state_dict"):
+        engine.state_dict()
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'$"):
+        engine.nonsense
 
 
 def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
