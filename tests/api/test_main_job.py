@@ -141,6 +141,7 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["bogus"], "invalid choice"),
     (["consolidate", "/no/such/dir", "out.safetensors"], "does not exist"),
     (["consolidate", "/tmp", "out.bin"], "must end in .safetensors or .pt"),
+    (["consolidate", "/tmp", "/no/such/dir/w.pt"], "'/no/such/dir' is not a writable directory"),
 ])
 def test_user_errors(args, message):
     if args[0] in ("train", "compare"):
@@ -167,3 +168,13 @@ def test_compile_flag_compiles_every_block():
     blocks = list(model.blocks)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
     assert model._compiled_call_impl is None  # the blocks, not the whole model (FSDP2's pattern)
+
+
+def test_traffic_line_counts_micro_batches_where_the_stage_sends_each():
+    from zeroshard.app.report import traffic_line
+    mib = 2**20
+    assert traffic_line(mib, mib // 2, 1, "bf16", 4).endswith("(paper: 2Ψ x 2 bytes = 2.00 MiB)")
+    assert traffic_line(mib, mib // 2, 2, "bf16", 2).endswith("3Ψ x 2 bytes = 3.00 MiB, 2 micro-batches a "
+                                                              "step)")
+    assert traffic_line(mib, mib // 2, 3, "fp32", 2).endswith("6Ψ x 4 bytes = 12.00 MiB, 2 micro-batches a "
+                                                              "step)")

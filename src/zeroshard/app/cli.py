@@ -1,8 +1,10 @@
-"""The `zeroshard` command: `train` (the main job) and `estimate` (the paper's memory model)."""
+"""The `zeroshard` command: `train` (the main job), `compare`, `estimate` (the paper's memory model)
+and `consolidate`."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from .gpt import SIZES
@@ -201,16 +203,21 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     from zeroshard import CheckpointError, consolidate
     if not args.output.endswith((".safetensors", ".pt")):
         parser.error(f"output '{args.output}' must end in .safetensors or .pt")
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # found before the work, not after
+        parser.error(f"cannot write '{args.output}': '{folder}' is not a writable directory")
     try:
         weights = consolidate(args.checkpoint)
     except CheckpointError as e:
         parser.error(str(e))
+    partial = f"{args.output}.partial"  # a file at `output` is always complete
     if args.output.endswith(".safetensors"):
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in weights.items()}, args.output)
+        save_file({k: v.contiguous() for k, v in weights.items()}, partial)
     else:
         import torch
-        torch.save(weights, args.output)
+        torch.save(weights, partial)
+    os.replace(partial, args.output)
     print(f"wrote {len(weights)} tensors to {args.output}")
 
 

@@ -60,12 +60,15 @@ def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, pgk: tupl
     return lines
 
 
-def traffic_line(step_bytes: int, psi: int, stage: int, precision: str) -> str:
-    """Bytes moved in the last step beside the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) elements."""
+def traffic_line(step_bytes: int, psi: int, stage: int, precision: str, accumulation: int = 1) -> str:
+    """Bytes moved in the last optimizer step beside the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3)
+    elements per iteration. With `accumulation` micro-batches a step, stages 0-1 still reduce once;
+    stage 2 reduce-scatters every micro-batch (then gathers Ψ once), stage 3 sends 3Ψ in each."""
     element = BYTES_PER_PARAM[precision][0]
-    factor = 3 if stage == 3 else 2
+    factor = {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
+    why = f", {accumulation} micro-batches a step" if accumulation > 1 and stage >= 2 else ""
     return (f"traffic per step: {step_bytes / MIB:.2f} MiB (paper: {factor}Ψ x {element} bytes = "
-            f"{factor * psi * element / MIB:.2f} MiB)")
+            f"{factor * psi * element / MIB:.2f} MiB{why})")
 
 
 def plot_losses(train: list[float], val: float, path: str) -> None:
@@ -146,7 +149,8 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     for line in memory_table(per_rank, psi, args.stage, pgk, dp=world // args.tp):
         print(line)
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
-    print(traffic_line(step_bytes, psi, args.stage, args.precision))
+    accumulation = engine.config.gradient_accumulation_steps
+    print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
     first = f"{history[0]:.4f} at step 1 -> " if history else ""
     print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
           f"{seconds:.1f} s in training steps this run")

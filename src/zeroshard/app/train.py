@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
@@ -258,7 +259,7 @@ def logits_of(output: Any) -> torch.Tensor:
 def _progress(args: TrainArgs, rank: int, initial: int):
     from tqdm import tqdm
     return tqdm(total=args.steps, initial=initial, disable=rank != 0 or args.quiet, desc="train",
-                dynamic_ncols=True)
+                dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 10)  # a log: a line in 10 s
 
 
 @torch.no_grad()
