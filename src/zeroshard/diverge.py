@@ -123,9 +123,12 @@ class Watch:
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():
                     raise self.diagnose(f"a collective failed ({e})") from None
-            if self._alarm_raised() or time.monotonic() >= deadline:
+            if self._alarm_raised():
+                raise self.diagnose("a peer found a divergence while this rank waited in a collective") \
+                    from None
+            if time.monotonic() >= deadline:
                 raise self.diagnose(f"a collective waited {self.timeout:g} s (zeroshard.collective_"
-                                    f"timeout), or a peer found a divergence") from None
+                                    f"timeout)") from None
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
                                     f"rank's") from None
@@ -246,7 +249,8 @@ def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock
     if len(set(phases.values())) > 1:
         where = ", ".join(f"rank {r} in {p}" for r, p in sorted(phases.items()))
         return (f"Likely cause: the ranks are in different calls ({where}): a step() on some ranks only, "
-                f"or a different number of backward() calls per step ({tally}).")
+                f"a different number of backward() calls per step ({tally}), or a forward (an "
+                f"evaluation, a generate()) run on some ranks only.")
     if len({s.backwards for s in seen.values()}) > 1 or len({s.micro for s in seen.values()}) > 1:
         return f"Likely cause: a different number of backward() or step() calls ({tally})."
     if len({fp.label for fp in calls.values() if fp is not None}) > 1:
