@@ -14,10 +14,10 @@ _INSTEAD = {
                   "engine.save_checkpoint(dir)",
     "load_state_dict": "load full weights into the model before zeroshard.initialize(), or resume with "
                        "engine.load_checkpoint(dir)",
-    "parameters": "engine.module.parameters() are the model's own (at stage 3, empty outside forward); "
-                  "their values are in engine.full_state_dict()",
-    "named_parameters": "engine.module.named_parameters() (at stage 3, empty outside forward); values "
-                        "are in engine.full_state_dict()",
+    "parameters": "engine.module.parameters() are the model's own (at stage 3, empty outside forward: "
+                  "`with engine.gathered_parameters() as model:` fills them)",
+    "named_parameters": "engine.module.named_parameters() (at stage 3, empty outside forward: "
+                        "`with engine.gathered_parameters() as model:` fills them)",
     "to": "initialize() placed the model on the process group's device; choose the device there",
     "cuda": "initialize() placed the model on the process group's device; choose the device there",
 }

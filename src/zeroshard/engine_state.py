@@ -8,11 +8,13 @@ flat buffers, optimizer, scaler, scheduler, comm). Every method that moves data 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+from torch import nn
 
-from . import checkpoint, checkpoint_load, memory, nvme
+from . import checkpoint, checkpoint_load, gathered, memory, nvme
 from .comm import Comm
 from .parallel.dtensor import full_tensor
 
@@ -95,6 +97,18 @@ class EngineState:
         return extra["client_state"]
 
     # ---- views and measurements -----------------------------------------------------------------
+    @contextmanager
+    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[nn.Module]:
+        """Collective. Inside, engine.module's parameters hold their full values at every stage (at
+        stage 3 the whole model is gathered at once, in the compute dtype): read weights outside
+        forward, or, with modifier_rank, change them in place on that rank; on exit its changes go
+        to every rank and into the training state (fp32 masters included). Yields the module. Run
+        no forward inside. As DeepSpeed's GatheredParameters, FSDP's summon_full_params."""
+        gathered.check_can_gather(self.comm, modifier_rank, self.config.delayed_param_update)
+        self.wait_for_parameters()
+        with gathered.full_parameters(self.units, self.flats, self.comm, modifier_rank):
+            yield self.module
+
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective: the model's state_dict with full fp32 parameters, on CPU, on every rank; with
         rank0_only, on rank 0 alone (the others take part in the gathers, keep nothing and get {}:

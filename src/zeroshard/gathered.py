@@ -1,0 +1,69 @@
+"""Full parameters in the module outside forward: to read weights (a norm, an EMA, a look at one
+layer) or to change them in place, at any stage, as DeepSpeed's GatheredParameters and FSDP's
+summon_full_params allow.
+
+Invariants:
+- Inside, every parameter of the module views its full values in the compute dtype, on every rank
+  (stage 3 gathers every unit: the whole model at once; stages 0-2 hold it anyway).
+- Changes count only from `modifier_rank`: on exit its buffers are broadcast, and each rank writes
+  into what it keeps (the fp32 master, or the shard of a frozen buffer) exactly the elements that
+  differ from what it saw on entry. An element left alone keeps its master's full precision: writing
+  the whole 16-bit buffer back would round every master to 16 bits.
+- On exit stage 3 frees what it gathered; the next forward gathers the new values.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from .comm import Comm
+from .flat_param import FlatParam, ParamState
+from .units import Unit
+
+
+def check_can_gather(comm: Comm, modifier_rank: int | None, delayed_update: bool) -> None:
+    """What gathered_parameters refuses, alike on every rank (before any collective)."""
+    if delayed_update:
+        raise RuntimeError("gathered_parameters() with zeroshard.delayed_param_update: the parameters are a "
+                           "step behind the master by design; read engine.full_state_dict() instead")
+    if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
+        raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the {comm.world_size}-rank group")
+    if modifier_rank is not None and comm.tp_size > 1:
+        raise NotImplementedError("gathered_parameters(modifier_rank=...) under tensor parallelism: change "
+                                  "the weights before initialize(), or load them with load_checkpoint()")
+
+
+@contextmanager
+def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
+                    modifier_rank: int | None) -> Iterator[None]:
+    """Collective on entry and exit (see the module docstring)."""
+    for unit in units:
+        unit.gather()  # a no-op where the buffer is kept gathered
+    seen = [f.full[slice(*f.owned_range())].clone() for f in flats] if modifier_rank is not None else []
+    try:
+        yield
+        if modifier_rank is not None:
+            _take_changes(flats, seen, comm, modifier_rank)
+    finally:
+        for unit in units:
+            unit.free()  # stage 3 only: buffers kept gathered stay
+
+
+def _take_changes(flats: list[FlatParam], seen: list[torch.Tensor], comm: Comm, modifier_rank: int) -> None:
+    if any(f.state is not ParamState.GATHERED for f in flats):  # alike on every rank: the same calls
+        raise RuntimeError("a forward inside gathered_parameters() freed the parameters it gathered, so "
+                           "their changes are lost: run forward outside the block")
+    with torch.no_grad(), comm.outside_step():
+        for flat, before in zip(flats, seen):
+            comm.broadcast(flat.full, modifier_rank)
+            now = flat.full[slice(*flat.owned_range())]
+            changed = now != before
+            kept = flat.owned_values()
+            if kept.data_ptr() != flat.full.data_ptr() or kept.dtype != now.dtype:  # else changed in place
+                kept[changed.to(kept.device)] = now[changed].to(kept.device, kept.dtype)
+            if flat.trainable:
+                flat.write_back()  # the compute-dtype parameters from the master, as after a step
+        for flat in flats:
+            flat.finish_write_back()

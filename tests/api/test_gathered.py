@@ -1,0 +1,86 @@
+"""engine.gathered_parameters(): the full weights in the module outside forward at every stage, and
+one rank's in-place changes becoming the training state on every rank, compared with one process
+that trains the same changed model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroshard
+from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, reference_run
+from helpers.spawn import spawn
+
+GLOBAL_BATCH, STEPS = 6, 2
+CHANGED = {"blocks.1.up.bias": lambda t: t + 1.0, "frozen.weight": lambda t: t * 2.0,  # a frozen one
+           "tok.weight": lambda t: t.index_fill(0, torch.tensor([3]), 0.5)}  # tied with head.weight
+
+
+def _sgd(p):
+    return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def _change(model: torch.nn.Module) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, how in CHANGED.items():
+            params[name].copy_(how(params[name]))
+
+
+def _changed_model() -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    _change(model)
+    return model
+
+
+def _gathered(rank: int, world_size: int, stage: int, precision: str, offload: bool) -> None:
+    torch.manual_seed(0)
+    host = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}} if offload else {}
+    config = {"zero_optimization": {"stage": stage, **host}, "bf16": {"enabled": precision == "bf16"}}
+    engine = zeroshard.initialize(TinyGPT(), _sgd, config)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    before = engine.full_state_dict()
+    with engine.gathered_parameters() as model:  # reading: the same full values on every rank
+        for name, p in model.named_parameters():
+            assert p.shape == before[name].shape and torch.equal(p, before[name].to(dtype)), name
+    with engine.gathered_parameters(modifier_rank=world_size - 1) as model:
+        if rank == world_size - 1:  # the others' changes would not count; they make none
+            _change(model)
+    after = engine.full_state_dict()
+    aliases = {"head.weight": "tok.weight"}
+    for name, value in before.items():
+        how = CHANGED.get(aliases.get(name, name))
+        if how is None:  # untouched: the fp32 master keeps its full precision, bit for bit
+            assert torch.equal(after[name], value), name
+        else:  # each changed element is what the modifier wrote (in the compute dtype); the rest keep
+            seen = value.to(dtype)  # their fp32 values
+            assert torch.equal(after[name], torch.where(how(seen) != seen, how(seen).float(), value)), name
+    if stage == 3:
+        assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())  # freed again
+    local = GLOBAL_BATCH // world_size
+    for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
+        mine = slice(rank * local, (rank + 1) * local)
+        engine.backward(loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine]))
+        engine.step()
+    if precision == "fp32":
+        reference = reference_run(_changed_model, _sgd, STEPS, GLOBAL_BATCH)[0].state_dict()
+        assert_weights_match(engine, reference, 1e-5, 2e-6, f"changed in gathered_parameters, stage {stage}:")
+
+
+@pytest.mark.parametrize("world_size, stage, precision, offload", [
+    (3, 3, "fp32", False), (2, 3, "bf16", False), (3, 2, "bf16", False), (2, 1, "fp32", False),
+    (3, 0, "bf16", False), (2, 3, "bf16", True), (3, 3, "fp32", True)])  # offload: state in host memory
+def test_gathered_parameters_read_and_change(world_size, stage, precision, offload):
+    spawn(_gathered, world_size, stage, precision, offload)
+
+
+def test_gathered_parameters_refusals(one_process_group):
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
+        with engine.gathered_parameters(modifier_rank=1):
+            pass
+    x, _ = batches(1, 2)[0]
+    with pytest.raises(RuntimeError, match="a forward inside gathered_parameters"):
+        with engine.gathered_parameters(modifier_rank=0):
+            engine(x)
+    assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())
