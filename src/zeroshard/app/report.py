@@ -132,6 +132,8 @@ def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cud
                                                              in zip(cells[1:], columns[1:])))
     each = "; ".join(f"{r['name']} " + "/".join(f"{t:.1f}" for t in r["step_ms_each"]) for r in rows)
     lines.append(f"step ms in each of {rounds} round(s), side by side: {each}")
+    lines.append(f"x {baseline} = the median of each step's time over {baseline}'s in the same turn (paired, "
+                 f"so a slow spell cancels out), not the ratio of the step ms column's medians")
     lines.append("RSS+ = peak resident memory above the process's own before the model was built")
     return "\n".join(lines)
 
