@@ -163,7 +163,9 @@ def resume(engine, checkpoints: str, out: str, run_id: str, explicit: bool) -> t
 
 
 def describe(resumed: Resumed, checkpoints: str) -> str:
-    start = f"from step {resumed.step} ({resumed.path})" if resumed.path else \
+    tag = os.path.basename(resumed.path) if resumed.path else ""
+    counts = "; its tag counts optimizer steps, --steps micro-batches" if tag != f"step{resumed.step}" else ""
+    start = f"from step {resumed.step} ({resumed.path}{counts})" if resumed.path else \
         f"from step 0: no checkpoint of this run in {checkpoints} yet"
     head = f"restart {resumed.restarts}: resuming " if resumed.restarts else "resuming "
     lost = f"; {resumed.steps_lost} step(s) lost" if resumed.steps_lost is not None else ""
