@@ -147,7 +147,7 @@ class Engine(EngineState, EngineCompat):
     def wait_for_parameters(self) -> None:
         """Stages 1-2 with zeroshard.defer_param_gather: complete the post-step all-gathers still
         in flight. Until then (or the next forward) the module's parameters are empty placeholders;
-        call this before reading them directly (norms, an EMA). state_dict() waits by itself.
+        call this before reading them directly (at stage 3: inside gathered_parameters()).
         With zeroshard.delayed_param_update it also waits for the update running on the host."""
         self._finish_update()
         if not self.policy.shard_params:
