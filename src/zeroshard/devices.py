@@ -76,6 +76,14 @@ def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -
 
 
 RELEASE_WAIT_S = 15.0  # what a clean teardown takes is milliseconds
+_abandoned = False      # a collective of the default group will never complete (see abandon_group)
+
+
+def abandon_group() -> None:
+    """Called as a DivergenceError is raised: a collective of this rank's may never complete, so the
+    exit hook must not wait for the group's teardown without bound."""
+    global _abandoned
+    _abandoned = True
 
 
 def _release_group() -> None:
@@ -83,21 +91,32 @@ def _release_group() -> None:
     group left alive to the interpreter's teardown can abort the process there (std::terminate,
     seen on torch 2.13 once torch._dynamo has run).
 
-    A group with a collective still in flight (a DivergenceError, or an error on one rank while
-    the others wait) blocks its destruction until the collective times out, up to
-    collective_timeout: the job would sit there long after its error was printed. So the teardown
-    gets RELEASE_WAIT_S, then the process leaves with status 1, its error already reported."""
+    After a DivergenceError a collective is still in flight, and destroying the group blocks until
+    it times out (up to collective_timeout): the job would sit there long after its error was
+    printed. Then (only then: a clean teardown may wait for a peer still saving) the teardown gets
+    RELEASE_WAIT_S, and the process leaves with status 1, its error already reported."""
     if not dist.is_initialized():
+        return
+    if not _abandoned:
+        dist.destroy_process_group()
         return
     released = threading.Event()
 
     def destroy() -> None:
-        dist.destroy_process_group()
-        released.set()
-    threading.Thread(target=destroy, name="zeroshard-release", daemon=True).start()
+        try:
+            dist.destroy_process_group()
+        finally:
+            released.set()
+    try:
+        threading.Thread(target=destroy, name="zeroshard-release", daemon=True).start()
+    except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.2)
+        sys.stderr.write("zeroshard: exiting without destroying the process group (a collective is "
+                         "still in flight after a DivergenceError)\n")
+        sys.stderr.flush()
+        os._exit(1)
     if not released.wait(RELEASE_WAIT_S):
         sys.stderr.write(f"zeroshard: the process group could not be shut down within {RELEASE_WAIT_S:.0f} s "
-                         f"(a collective is still in flight, as after a DivergenceError): exiting\n")
+                         f"(a collective is still in flight after a DivergenceError): exiting\n")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -33,6 +33,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from .devices import abandon_group
+
 logger = logging.getLogger("zeroshard")
 
 _SLICE_S = 1.0        # a bounded wait looks for a peer's alarm this often
@@ -195,6 +197,7 @@ class Watch:
 
     def diagnose(self, reason: str) -> DivergenceError:
         """Publish this rank's history, collect the peers' (as many as answer), name the difference."""
+        abandon_group()  # a collective may be left in flight: the exit hook must not wait on it
         if self.store is None:
             return DivergenceError(f"rank {self.rank}: {reason}; no c10d store to compare ranks with")
         self.store.set(f"{self.prefix}alarm", str(self.rank))

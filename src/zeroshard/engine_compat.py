@@ -38,12 +38,15 @@ class EngineCompat:
         """Nothing to clear: step() clears gradients. Kept for loops ported from torch, which call it
         before the forward; after a backward it would drop gradients that stages 2-3 have already
         reduced on every rank, so there it is refused."""
-        if self.reducer.arrived:
+        if self.reducer.saw_backward:
             raise RuntimeError("engine.zero_grad() after backward() and before step(): ZeRO has already "
                                "reduced these gradients across ranks. step() clears them; to skip a batch, "
                                "do not call backward() for it")
 
     def __getattr__(self, name: str) -> Any:
+        prop = getattr(type(self), name, None)
+        if isinstance(prop, property):  # it raised AttributeError itself: surface that, not "no attribute"
+            return prop.fget(self)
         hint = _INSTEAD.get(name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'"
                              + (f": {hint}" if hint else ""))

@@ -58,9 +58,10 @@ class EngineState:
         any world size and stage; returns the saved client_state. Nothing changes if it fails.
         With missing_ok, a missing or empty directory is no error: it logs a line and returns None,
         so "resume if there is anything to resume" is one call. With load_optimizer_states=False,
-        the weights, buffers, step count, random state and client_state are loaded, and the
-        optimizer (its state and hyperparameters), the lr scheduler and the loss scale start
-        afresh: for a new optimizer, new parameter groups or other parameters frozen."""
+        the weights, buffers, step count, random state and client_state are loaded; the optimizer
+        starts afresh (no state, this run's hyperparameters) and the lr scheduler and loss scale
+        stay as this engine has them (fresh in a new one): for a new optimizer, new parameter
+        groups or other parameters frozen."""
         if checkpoint.resolve(load_dir, missing_ok) is None:
             logger.info("no checkpoint in '%s': starting from the model's own values", load_dir)
             return None
@@ -82,6 +83,7 @@ class EngineState:
                     flat.gather_into_full()
             for flat in self.flats:
                 flat.finish_write_back()
+        self.reducer.end_step()  # the loaded state starts a cycle: a step() needs a backward first
         if self.copier is not None:
             self.copier.unwritten = False  # the parameters are the loaded master's
         # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.

@@ -9,6 +9,9 @@ Invariants:
   into what it keeps (the fp32 master, or the shard of a frozen buffer) exactly the elements that
   differ from what it saw on entry. An element left alone keeps its master's full precision: writing
   the whole 16-bit buffer back would round every master to 16 bits.
+- Without modifier_rank, or when the block raises, every rank's buffers are restored to what they
+  were on entry: a change on one rank must never leave the ranks training different models. (So
+  at stages 0-2 the block holds one more copy of the compute-dtype parameters.)
 - On exit stage 3 frees what it gathered; the next forward gathers the new values.
 """
 from __future__ import annotations
@@ -41,12 +44,22 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
     """Collective on entry and exit (see the module docstring)."""
     for unit in units:
         unit.gather()  # a no-op where the buffer is kept gathered
-    seen = [f.full[slice(*f.owned_range())].clone() for f in flats] if modifier_rank is not None else []
+    # What each rank saw on entry: the whole buffer where it stays gathered after the block (edits
+    # not taken must be undone there, or this rank would train on them alone), else the owned range
+    # (stage 3 frees the buffer, and its edits with it).
+    seen = [f.full.clone() if f.persistent else f.full[slice(*f.owned_range())].clone() for f in flats]
+    taken = False
     try:
         yield
         if modifier_rank is not None:
             _take_changes(flats, seen, comm, modifier_rank)
+            taken = True
     finally:
+        if not taken:  # read-only, or the block raised: every rank as it was
+            with torch.no_grad():
+                for flat, before in zip(flats, seen):
+                    if flat.persistent and flat.state is ParamState.GATHERED:
+                        flat.full.copy_(before)
         for unit in units:
             unit.free()  # stage 3 only: buffers kept gathered stay
 
@@ -58,11 +71,15 @@ def _take_changes(flats: list[FlatParam], seen: list[torch.Tensor], comm: Comm, 
     with torch.no_grad(), comm.outside_step():
         for flat, before in zip(flats, seen):
             comm.broadcast(flat.full, modifier_rank)
-            now = flat.full[slice(*flat.owned_range())]
+            owned = slice(*flat.owned_range())
+            now, before = flat.full[owned], before[owned] if flat.persistent else before
             changed = now != before
             kept = flat.owned_values()
             if kept.data_ptr() != flat.full.data_ptr() or kept.dtype != now.dtype:  # else changed in place
                 kept[changed.to(kept.device)] = now[changed].to(kept.device, kept.dtype)
+            disk = getattr(flat.copier, "disk", None) if flat.copier is not None else None
+            if disk is not None:
+                disk.cache.clear()  # a shard written through its file map: its cached copy is stale
             if flat.trainable:
                 flat.write_back()  # the compute-dtype parameters from the master, as after a step
         for flat in flats:

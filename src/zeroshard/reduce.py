@@ -65,7 +65,8 @@ class GradientReducer:
         self._next = 0                  # position in `groups` of the next to reduce
         self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
         self._ends_cycle = False        # this backward ends an accumulation cycle
-        self.arrived = 0                # gradients that arrived this cycle (a step with none is a mistake)
+        self.arrived = 0                # gradients that arrived this cycle (loss.backward() called directly)
+        self.backwards = 0              # engine.backward() calls this cycle (alike on every rank)
         self._unit_of = {id(f): u for u in units for f in u.flats}
         self._install_hooks()
 
@@ -91,6 +92,7 @@ class GradientReducer:
         buffers as they complete, like DDP (otherwise step() reduces them). With offload_optimizer,
         that backward's reduced gradients start their way to the host as each reduction ends."""
         self._ends_cycle = ends_cycle
+        self.backwards += 1
         if ends_cycle and self.overlap and not self.policy.shard_grads and \
                 self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
@@ -98,7 +100,13 @@ class GradientReducer:
     def end_step(self) -> None:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
         self._set_phase(CyclePhase.ACCUMULATING)
-        self.arrived = 0
+        self.arrived = self.backwards = 0
+
+    @property
+    def saw_backward(self) -> bool:
+        """A backward ran this cycle: engine.backward() (counted alike on every rank, whatever
+        gradients this rank's data produced), or a plain loss.backward() that produced gradients."""
+        return self.backwards > 0 or self.arrived > 0
 
     @property
     def _reducing_as_complete(self) -> bool:

@@ -33,13 +33,32 @@ def _changed_model() -> TinyGPT:
     return model
 
 
-def _gathered(rank: int, world_size: int, stage: int, precision: str, offload: bool) -> None:
+def _offload(where: str, directory: str) -> dict:
+    """Where the masters and shards rest: "" on the device; "cpu" in host memory; "nvme" the
+    parameters in files with a host cache of shards (written through their maps)."""
+    if where == "cpu":
+        return {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    if where == "nvme":
+        return {"offload_param": {"device": "nvme", "nvme_path": directory, "max_in_cpu": 10**8}}
+    return {}
+
+
+def _gathered(rank: int, world_size: int, stage: int, precision: str, offload: str, directory: str) -> None:
     torch.manual_seed(0)
-    host = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}} if offload else {}
-    config = {"zero_optimization": {"stage": stage, **host}, "bf16": {"enabled": precision == "bf16"}}
+    config = {"zero_optimization": {"stage": stage, **_offload(offload, directory)},
+              "bf16": {"enabled": precision == "bf16"}}
     engine = zeroshard.initialize(TinyGPT(), _sgd, config)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     before = engine.full_state_dict()
+    # Changes that do not count are undone on every rank: without modifier_rank, or when the block raises.
+    with engine.gathered_parameters() as model:
+        if rank == 0:
+            _change(model)
+    with pytest.raises(KeyError):
+        with engine.gathered_parameters(modifier_rank=0) as model:
+            if rank == 0:
+                _change(model)
+            raise KeyError("a failure inside the block")
     with engine.gathered_parameters() as model:  # reading: the same full values on every rank
         for name, p in model.named_parameters():
             assert p.shape == before[name].shape and torch.equal(p, before[name].to(dtype)), name
@@ -68,10 +87,10 @@ def _gathered(rank: int, world_size: int, stage: int, precision: str, offload: b
 
 
 @pytest.mark.parametrize("world_size, stage, precision, offload", [
-    (3, 3, "fp32", False), (2, 3, "bf16", False), (3, 2, "bf16", False), (2, 1, "fp32", False),
-    (3, 0, "bf16", False), (2, 3, "bf16", True), (3, 3, "fp32", True)])  # offload: state in host memory
-def test_gathered_parameters_read_and_change(world_size, stage, precision, offload):
-    spawn(_gathered, world_size, stage, precision, offload)
+    (3, 3, "fp32", ""), (2, 3, "bf16", ""), (3, 2, "bf16", ""), (2, 1, "fp32", ""), (3, 0, "bf16", ""),
+    (3, 0, "fp32", ""), (2, 3, "bf16", "cpu"), (3, 3, "fp32", "cpu"), (2, 3, "fp32", "nvme")])
+def test_gathered_parameters_read_and_change(tmp_path, world_size, stage, precision, offload):
+    spawn(_gathered, world_size, stage, precision, offload, str(tmp_path))
 
 
 def test_gathered_parameters_refusals(one_process_group):

@@ -178,3 +178,11 @@ def test_traffic_line_counts_micro_batches_where_the_stage_sends_each():
                                                               "step)")
     assert traffic_line(mib, mib // 2, 3, "fp32", 2).endswith("6Ψ x 4 bytes = 12.00 MiB, 2 micro-batches a "
                                                               "step)")
+
+
+def test_the_engine_config_keeps_the_accumulation_the_batch_sizes_imply():
+    from zeroshard.app.train import TrainArgs
+    args = TrainArgs(config={"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, nproc=2,
+                     batch_size=2)
+    raw = args.engine_config()
+    assert raw["gradient_accumulation_steps"] == 4 and raw["train_micro_batch_size_per_gpu"] == 2

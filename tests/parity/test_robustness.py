@@ -73,6 +73,32 @@ def test_a_parameter_unused_on_some_ranks_only():
     spawn(_unused_on_some_ranks, 2)
 
 
+class _Branches(nn.Module):
+    """Rank r takes branch r; branch 1 is frozen, so rank 1's backward reaches no trainable
+    parameter (its loss needs grad through the input, as HF's enable_input_require_grads makes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        return (self.a(x) if branch == 0 else self.b(x)).sum()
+
+
+def _no_gradient_on_one_rank(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(_Branches(), _sgd, {"zero_optimization": {"stage": 2}})
+    x = torch.randn(2, 4, requires_grad=True)
+    engine.backward(engine(x, branch=rank))
+    engine.step()  # rank 1 called backward(): a step like any other, on every rank alike
+    assert engine.global_steps == 1
+
+
+def test_a_backward_that_reaches_no_parameter_on_one_rank_still_steps():
+    spawn(_no_gradient_on_one_rank, 2)
+
+
 def _extra_forwards(rank: int, world_size: int) -> None:
     """Stage 3: a no_grad forward between forward and backward (a reference model pass), and a
     forward with grad between backward and step (logging): neither may change the training."""

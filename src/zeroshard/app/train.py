@@ -79,6 +79,10 @@ class TrainArgs:
         if self.lr is not None and "optimizer" in raw:  # --lr given: it sets the section's lr
             raw["optimizer"] = {**raw["optimizer"], "params": {**raw["optimizer"].get("params", {}),
                                                                "lr": self.lr}}
+        if "train_batch_size" in raw and "gradient_accumulation_steps" not in raw:  # the one they imply
+            config = zeroshard.Config.load(raw)
+            config.check_batch_sizes(self.nproc // self.tp)
+            raw["gradient_accumulation_steps"] = config.gradient_accumulation_steps
         raw["train_micro_batch_size_per_gpu"] = self.batch_size  # what the loop feeds each rank
         raw.pop("train_batch_size", None)  # (the CLI checked it against the micro-batch)
         flags = ("partition_activations", "cpu_checkpointing")
