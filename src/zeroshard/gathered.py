@@ -46,8 +46,9 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
         unit.gather()  # a no-op where the buffer is kept gathered
     # What each rank saw on entry: the whole buffer where it stays gathered after the block (edits
     # not taken must be undone there, or this rank would train on them alone), else the owned range
-    # (stage 3 frees the buffer, and its edits with it).
-    seen = [f.full.clone() if f.persistent else f.full[slice(*f.owned_range())].clone() for f in flats]
+    # (stage 3 frees the buffer, and its edits with it; only the changes taken need it).
+    seen = [f.full.clone() if f.persistent else
+            f.full[slice(*f.owned_range())].clone() if modifier_rank is not None else None for f in flats]
     taken = False
     try:
         yield
@@ -64,7 +65,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
             unit.free()  # stage 3 only: buffers kept gathered stay
 
 
-def _take_changes(flats: list[FlatParam], seen: list[torch.Tensor], comm: Comm, modifier_rank: int) -> None:
+def _take_changes(flats: list[FlatParam], seen: list, comm: Comm, modifier_rank: int) -> None:
     if any(f.state is not ParamState.GATHERED for f in flats):  # alike on every rank: the same calls
         raise RuntimeError("a forward inside gathered_parameters() freed the parameters it gathered, so "
                            "their changes are lost: run forward outside the block")
