@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import checkpoint_meta, integrity
 from .checkpoint import IMPLEMENTATION_KEYS, read_meta, resolve_everywhere, slices, whole_shapes
 from .comm import Comm
-from .flat_param import FlatParam
+from .flat_param import FlatParam, disk_store
 from .integrity import CheckpointError
 from .parallel.dtensor import canonical, from_canonical
 
@@ -80,7 +80,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
         small[f"rng/{comm.rank}"] = torch.empty_like(torch.get_rng_state())
     if f"rng_cuda/{comm.rank}" in saved_keys and comm.device.type == "cuda":
         small[f"rng_cuda/{comm.rank}"] = torch.empty_like(torch.cuda.get_rng_state(comm.device))
-    streamed = any(_store(f) is not None for f in flats)  # alike on every rank: the same config
+    streamed = any(disk_store(f) is not None for f in flats)  # alike on every rank: the same config
     groups = [[f] for f in flats] if streamed else [flats]  # the same count on every rank
     plans = [_Plan(f, meta, optimizer_states) for f in groups[0]]
     _read(path, comm, small | _requests(plans))
@@ -108,10 +108,6 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     if f"rng_cuda/{comm.rank}" in small:
         torch.cuda.set_rng_state(small[f"rng_cuda/{comm.rank}"], comm.device)
     return meta["extra"]
-
-
-def _store(flat: FlatParam) -> Any:
-    return getattr(flat.copier, "disk", None) if flat.copier is not None else None
 
 
 def _requests(plans: list[_Plan]) -> dict[str, torch.Tensor]:
@@ -163,7 +159,7 @@ def _reorder(meta: dict[str, Any], plan: _Plan) -> None:
 def _fresh_state(meta: dict[str, Any], flat: FlatParam, optimizer: torch.optim.Optimizer) -> None:
     """The flat's optimizer state as saved: zeroed elementwise tensors (in their files when the
     master rests in one) and the saved scalars."""
-    store = _store(flat)
+    store = disk_store(flat)
     on_disk = store is not None and store.owns(flat.master)
     state: dict[str, Any] = {}
     for key in meta["elementwise"]:  # in its file (the one the step streams) when the master is in one
@@ -198,7 +194,7 @@ def _apply(meta: dict[str, Any], plan: _Plan, optimizer: torch.optim.Optimizer) 
             flat.owned_values()[dst].copy_(request[f"param/{name}/{piece}"][src])
             for key in keys:
                 optimizer.state[flat.opt_param][key][dst].copy_(request[f"optim.{key}/{name}/{piece}"][src])
-    store = _store(flat)
+    store = disk_store(flat)
     if store is not None:
         state = optimizer.state.get(flat.opt_param, {}) if flat.trainable else {}
         store.drop_pages([flat.owned_values(), *state.values()])

@@ -15,6 +15,7 @@ Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import nn
@@ -285,3 +286,8 @@ def prefetch_flats(flats: list[FlatParam]) -> None:
     for f in due:
         f._gathering = pending
         f._set_state(ParamState.GATHERING)
+
+
+def disk_store(flat: FlatParam) -> Any:
+    """The disk store (nvme/) behind the flat's offloaded states, or None without disk offload."""
+    return getattr(flat.copier, "disk", None) if flat.copier is not None else None

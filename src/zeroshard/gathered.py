@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from .comm import Comm
-from .flat_param import FlatParam, ParamState
+from .flat_param import FlatParam, ParamState, disk_store
 from .units import Unit
 
 
@@ -78,10 +78,9 @@ def _take_changes(flats: list[FlatParam], seen: list, comm: Comm, modifier_rank:
             kept = flat.owned_values()
             if kept.data_ptr() != flat.full.data_ptr() or kept.dtype != now.dtype:  # else changed in place
                 kept[changed.to(kept.device)] = now[changed].to(kept.device, kept.dtype)
-            disk = getattr(flat.copier, "disk", None) if flat.copier is not None else None
-            if disk is not None:
-                disk.cache.clear()  # a shard written through its file map: its cached copy is stale
             if flat.trainable:
                 flat.write_back()  # the compute-dtype parameters from the master, as after a step
         for flat in flats:
             flat.finish_write_back()
+        for store in {id(s): s for s in map(disk_store, flats) if s is not None}.values():
+            store.cache.clear()  # frozen shards were written through their file maps: cached copies are stale
