@@ -23,6 +23,7 @@ FORMAT = 1  # of the `meta` dict
 _REQUIRED = ("format", "shapes", "starts", "elementwise", "scalars", "buffers", "param_groups", "extra")
 _SCALER = ("scale", "tolerance", "clean_steps", "skipped_steps")
 _EXTRA = ("global_steps", "scaler", "lr_scheduler", "client_state")  # what engine.load_checkpoint reads
+_WEIGHTS_ALONE = "load the weights alone: engine.load_checkpoint(path, load_optimizer_states=False)"
 
 
 def _need(ok: bool, what: str) -> None:
@@ -134,19 +135,16 @@ def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], tra
     if saved_class is not None and saved_class != our_class:
         raise CheckpointError(f"the checkpoint holds {saved_class}'s state, but this engine's optimizer is "
                               f"{our_class}: that state would be misread or ignored. Resume with "
-                              f"{saved_class}, or load the weights alone: "
-                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
+                              f"{saved_class}, or {_WEIGHTS_ALONE}")
     if "trainable" in meta and trainable != set(meta["trainable"]):
         changed = sorted(trainable ^ set(meta["trainable"]))
         raise CheckpointError(f"parameters frozen at save time are trainable now, or the reverse: "
                               f"{changed[:5]}; their optimizer state cannot match. Freeze the same "
-                              f"parameters as when saving, or load the weights alone: "
-                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
+                              f"parameters as when saving, or {_WEIGHTS_ALONE}")
     groups = optimizer.param_groups
     if len(meta["param_groups"]) != len(groups):
         raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} parameter groups, the "
-                              f"optimizer has {len(groups)}; use as many, or load the weights alone: "
-                              f"engine.load_checkpoint(path, load_optimizer_states=False)")
+                              f"optimizer has {len(groups)}; use as many, or {_WEIGHTS_ALONE}")
     _check_groups(meta["param_groups"], groups, set(implementation_keys) | {"params"})
 
 

@@ -110,16 +110,17 @@ def _release_group() -> None:
     try:
         threading.Thread(target=destroy, name="zeroshard-release", daemon=True).start()
     except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.2)
-        sys.stderr.write("zeroshard: exiting without destroying the process group (a collective is "
-                         "still in flight after a DivergenceError)\n")
-        sys.stderr.flush()
-        os._exit(1)
+        _leave("exiting without destroying the process group")
     if not released.wait(RELEASE_WAIT_S):
-        sys.stderr.write(f"zeroshard: the process group could not be shut down within {RELEASE_WAIT_S:.0f} s "
-                         f"(a collective is still in flight after a DivergenceError): exiting\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _leave(f"the process group could not be shut down within {RELEASE_WAIT_S:.0f} s: exiting")
+
+
+def _leave(what: str) -> None:
+    """Exit with status 1 now, past the group's blocked teardown, with what was written flushed."""
+    sys.stderr.write(f"zeroshard: {what} (a collective is still in flight after a DivergenceError)\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
