@@ -103,7 +103,7 @@ class Engine(EngineState, EngineCompat):
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
         stand_ins = [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options]
-        probe = build_optimizer(optimizer, config, stand_ins)
+        probe = build_optimizer(optimizer, config, stand_ins, guarded=False)
         if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
             self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)
         lr_scheduler = scheduler_factory(lr_scheduler, config.scheduler)

@@ -19,6 +19,7 @@ from .nonfinite import NonFiniteGuard
 from .precision import LossScaler
 from .flat_param import FlatParam
 from .nvme import stream_groups
+from .states import temporarily
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 # Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
@@ -54,8 +55,10 @@ def resolve_groups(model: nn.Module, param_groups: list[dict] | None) -> tuple[l
     return options, group_of
 
 
-def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> torch.optim.Optimizer:
-    """groups: [{"params": [flat tensors], **options}], one per user parameter group."""
+def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict],
+                    guarded: bool = True) -> torch.optim.Optimizer:
+    """groups: [{"params": [flat tensors], **options}], one per user parameter group. A guarded
+    optimizer refuses a step() from outside engine.step() (a probe over stand-ins is not guarded)."""
     plain = len(groups) == 1 and set(groups[0]) == {"params"}
     params: Any = groups[0]["params"] if plain else groups
     if isinstance(spec, torch.optim.Optimizer):
@@ -97,6 +100,8 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict]) -> 
                           f"it would compute something else. Use an elementwise optimizer (Adam, AdamW, SGD, "
                           f"Adagrad, RMSprop, ...)")
     _refuse_unsupported_options(optimizer)
+    optimizer._zeroshard_stepping = not guarded  # set by _update() around its step()
+    optimizer.register_step_pre_hook(_refuse_direct_step)
     if offloaded:
         warn_if_slow(optimizer)
     given = {id(t) for g in groups for t in g["params"]}
@@ -116,6 +121,16 @@ def _refuse_unsupported_options(optimizer: torch.optim.Optimizer) -> None:
         if group.get("capturable") and any(t.device.type == "cpu" for t in group["params"]):
             raise ConfigError("the optimizer has capturable=True, which needs CUDA tensors, but its shards "
                               "are on the CPU (a CPU group or offload_optimizer); remove the option")
+
+
+def _refuse_direct_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The masters get their gradients only inside engine.step() (reduced, unscaled, clipped):
+    engine.optimizer.step() called directly would step nothing, silently."""
+    if not getattr(optimizer, "_zeroshard_stepping", False):
+        raise RuntimeError("engine.optimizer.step() called directly: zeroshard's optimizer steps the "
+                           "fp32 shards only inside engine.step(), which first reduces, unscales and "
+                           "clips the gradients (on its own it would update nothing); call "
+                           "engine.step() instead")
 
 
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
@@ -210,7 +225,8 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
         for group in groups:
             for f in group:  # fp32 gradient copies for one sub-group at a time
                 f.attach_master_grad(factor)
-            optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
+            with temporarily(optimizer, "_zeroshard_stepping", True):
+                optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
             for f in group:
                 f.release_master_grad()
                 if write_back:

@@ -238,7 +238,13 @@ def test_silent_mistakes_are_refused(one_process_group):
     engine.backward(engine(torch.ones(2, 4)).sum())
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) after backward\\(\\) and before step"):
         engine.zero_grad()
+    # The torch optimizer's own step() would update nothing: its shards get gradients only inside
+    # engine.step() (reduced, unscaled, clipped). Refused by name; the engine's step still works.
+    with pytest.raises(RuntimeError, match="engine.optimizer.step\\(\\) called directly"):
+        engine.optimizer.step()
+    before = engine.full_state_dict()
     engine.step()
+    assert not torch.equal(before["weight"], engine.full_state_dict()["weight"])
     with pytest.raises(AttributeError, match="no attribute 'state_dict': the full fp32 weights are "
                                              "engine.full_state_dict"):
         engine.state_dict()
