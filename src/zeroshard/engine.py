@@ -88,7 +88,7 @@ class Engine(EngineState, EngineCompat):
             if getattr(self, "copier", None) is not None:
                 self.copier.close()  # disk offload: no file outlives a failed initialize
             raise
-        nvme.tie(self, self.copier.disk if self.copier is not None else None)  # files go with the engine
+        nvme.tie(self, self._disk)  # files go with the engine
         module._zeroshard_wrapped = True
 
     def _build(self, optimizer: OptimizerSpec, param_groups: list[dict] | None, lr_scheduler: Any) -> None:

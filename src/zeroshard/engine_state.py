@@ -24,6 +24,11 @@ logger = logging.getLogger("zeroshard")
 class EngineState:
     """Checkpoints, exports and measurements of an Engine (see the module docstring)."""
 
+    @property
+    def _disk(self) -> Any:
+        """Disk offload's store (nvme/), or None without it."""
+        return self.copier.disk if self.copier is not None else None
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
         """Collective. Each rank writes only what it owns; the checkpoint loads at any world size
@@ -72,7 +77,7 @@ class EngineState:
         with torch.no_grad(), self.comm.outside_step():
             extra = checkpoint_load.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
                                          self._buffers, load_optimizer_states)
-            disk = self.copier.disk if self.copier is not None else None
+            disk = self._disk
             for flat in self.flats:
                 flat.zero_grad()
                 if flat.trainable:
@@ -160,12 +165,12 @@ class EngineState:
         """Remove disk offload's files now. They also go when the engine is collected and at
         interpreter exit; call this where neither runs (a fork-started worker ends with os._exit).
         The engine cannot train afterwards."""
-        if self.copier is not None and self.copier.disk is not None:
-            self.copier.disk.close()
+        if self._disk is not None:
+            self._disk.close()
 
     def io_stats(self) -> dict[str, Any]:
         """Disk offload: bytes read and written in the last step and in total (zeros without it)."""
-        return nvme.io_stats(self.copier.disk if self.copier is not None else None)
+        return nvme.io_stats(self._disk)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Ψ: distinct parameters (tied weights once), without padding; under tp, this rank's part
