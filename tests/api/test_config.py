@@ -29,6 +29,21 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     cfg.check_batch_sizes(world_size=4)
 
 
+@pytest.mark.parametrize("section, kind, decay", [
+    ({"type": "Adam"}, "AdamW", 0.0),      # DeepSpeed: adam_w_mode defaults to true
+    ({"type": "adamw"}, "AdamW", 0.0),     # its FusedAdam's weight_decay, not torch AdamW's 0.01
+    ({"type": "Adam", "params": {"adam_w_mode": False, "bias_correction": True}}, "Adam", 0.0),
+    ({"type": "AdamW", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, "AdamW", 0.1),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, "AdamW", None),  # torch's own default then
+])
+def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
+    optimizer = Config.load({"optimizer": section}).optimizer
+    assert optimizer.type == kind and optimizer.params.get("weight_decay") == decay
+    assert not {"adam_w_mode", "torch_adam", "bias_correction"} & set(optimizer.params)
+    with pytest.raises(ConfigError, match="bias_correction': false is not supported"):
+        Config.load({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
+
+
 @pytest.mark.parametrize("raw, words", [
     ({"zero_optimisation": {}}, ["zero_optimisation", "accepted top-level keys", "zero_optimization"]),
     ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "0, 1, 2 or 3"]),

@@ -94,7 +94,27 @@ def _optimizer(cfg: Settings, value: Any) -> None:
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
         raise ConfigError(f"config key 'optimizer.type' must be one of {', '.join(sorted(OPTIMIZERS))} "
                           f"(case-insensitive), got {kind!r}")
-    cfg.optimizer = OptimizerConfig(kind, _optimizer_params(section.get("params", {})))
+    params = _optimizer_params(section.get("params", {}))
+    if kind.lower() in ("adam", "adamw"):
+        kind, params = _as_deepspeed_adam(kind, params)
+    cfg.optimizer = OptimizerConfig(kind, params)
+
+
+def _as_deepspeed_adam(kind: str, params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """What DeepSpeed builds for "Adam" and "AdamW", in torch's classes, so a ported config trains
+    the same: decoupled weight decay (AdamW) unless "Adam" comes with adam_w_mode false, and
+    weight_decay 0 unless given (its FusedAdam's and CPU Adam's default; torch's AdamW says 0.01,
+    which DeepSpeed keeps only with torch_adam true). bias_correction must stay on (torch's Adam
+    always corrects)."""
+    params = dict(params)
+    w_mode = as_bool("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True))
+    torch_adam = as_bool("optimizer.params.torch_adam", params.pop("torch_adam", False))
+    if not as_bool("optimizer.params.bias_correction", params.pop("bias_correction", True)):
+        raise ConfigError("config key 'optimizer.params.bias_correction': false is not supported (torch's "
+                          "Adam and AdamW always correct the bias); remove it")
+    if not torch_adam:
+        params.setdefault("weight_decay", 0.0)
+    return ("AdamW" if kind.lower() == "adamw" or w_mode else "Adam"), params
 
 
 # Keyword arguments of torch's optimizers whose type is fixed, checked here: a wrong type is named
