@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -112,3 +113,39 @@ def _dropout_recompute(rank: int, world_size: int) -> None:
 
 def test_dropout_draws_the_same_masks_in_the_recompute():
     spawn(_dropout_recompute, 2)
+
+
+def _hf_model(arch: str) -> torch.nn.Module:
+    """A tiny Hugging Face model as its config builds it (use_cache on, as by default)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(  # its blocks take the cache positionally
+        vocab_size=37, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_hf_blocks_recompute_without_their_kv_cache(one_process_group, arch):
+    """A block recomputed in backward must not append to the KV cache a second time (HF models
+    pass one while use_cache is on): checkpointed training equals training without checkpoints."""
+    runs = {}
+    for checkpointed in (False, True):
+        config = {"zero_optimization": {"stage": 3}}
+        if checkpointed:
+            config["activation_checkpointing"] = {"number_checkpoints": 2}
+        engine = zeroshard.initialize(_hf_model(arch), sgd, config)
+        x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(1))
+        for _ in range(2):
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+        runs[checkpointed] = engine.get_global_grad_norm(), engine.full_state_dict()
+        if checkpointed:
+            assert engine.memory_stats()["checkpointed_activations"] > 0  # it did checkpoint
+    (norm, plain), (norm_ckpt, recomputed) = runs[False], runs[True]
+    assert norm_ckpt == pytest.approx(norm, rel=1e-6)
+    for name, value in plain.items():
+        torch.testing.assert_close(recomputed[name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -19,6 +19,7 @@ torch.autograd.graph.saved_tensors_hooks sees exactly what is kept.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import weakref
 from typing import Any, Callable
@@ -29,6 +30,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm import Comm
 from ..config.sections import ActivationConfig
+
+logger = logging.getLogger("zeroshard")
 
 
 class CheckpointStore:
@@ -169,6 +172,7 @@ def checkpoint_module(module: nn.Module, store: CheckpointStore) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        args, kwargs = _without_kv_cache(args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
 
@@ -183,6 +187,32 @@ def checkpoint_module(module: nn.Module, store: CheckpointStore) -> None:
         filled = [next(out) if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
         return tree_unflatten(filled, box["spec"])
     module.forward = forward
+
+
+def _is_kv_cache(x: Any) -> bool:
+    """A Hugging Face Cache (DynamicCache, ...), told by its interface: no import of transformers."""
+    return callable(getattr(x, "get_seq_length", None)) and callable(getattr(x, "update", None))
+
+
+def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A block run again in backward would append its keys and values to a KV cache a second time:
+    wrong attention, so wrong gradients (or a shape error). A checkpointed block therefore runs
+    without one (`use_cache` off), as transformers' own gradient checkpointing runs its layers;
+    nothing in training reads that cache."""
+    if not (kwargs.get("use_cache") or any(map(_is_kv_cache, (*args, *kwargs.values())))):
+        return args, kwargs
+    global _warned_about_cache
+    if not _warned_about_cache:
+        _warned_about_cache = True
+        logger.warning("activation checkpointing: blocks run without their KV cache (use_cache=False) "
+                       "while gradients are on, since a block recomputed in backward would fill it twice")
+    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return tuple(None if _is_kv_cache(a) else a for a in args), kwargs
+
+
+_warned_about_cache = False
 
 
 def checkpoint_units(units: list, cfg: ActivationConfig, comm: Comm) -> CheckpointStore:
