@@ -8,6 +8,7 @@ flat buffers, optimizer, scaler, scheduler, comm). Every method that moves data 
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -57,25 +58,38 @@ class EngineState:
             self._world_comm = Comm(None)
         return self._world_comm
 
-    def load_checkpoint(self, load_dir: str, missing_ok: bool = False,
-                        load_optimizer_states: bool = True) -> Any:
-        """Collective. Load a checkpoint directory (or the `latest` one under a parent), written at
-        any world size and stage; returns the saved client_state. Nothing changes if it fails.
-        With missing_ok, a missing or empty directory is no error: it logs a line and returns None,
-        so "resume if there is anything to resume" is one call. With load_optimizer_states=False,
-        the weights, buffers, step count, random state and client_state are loaded; the optimizer
-        starts afresh (no state, this run's hyperparameters) and the lr scheduler and loss scale
-        stay as this engine has them (fresh in a new one): for a new optimizer, new parameter
-        groups or other parameters frozen."""
-        if checkpoint.resolve(load_dir, missing_ok) is None:
-            logger.info("no checkpoint in '%s': starting from the model's own values", load_dir)
-            return None
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, *, missing_ok: bool = False) -> tuple[str | None, Any]:
+        """Collective; DeepSpeed's call. Load `load_dir/tag`, or without a tag the checkpoint that
+        `load_dir/latest` names (or `load_dir` itself, a checkpoint directory), written at any world
+        size and stage; returns (its path, the saved client_state). Nothing changes if it fails.
+        With missing_ok, a missing or empty directory is no error: it logs a line and returns
+        (None, None), so "resume if there is anything to resume" is one call. With
+        load_optimizer_states=False (or load_module_only), the weights, buffers, step count, random
+        state and client_state are loaded; the optimizer starts afresh (no state, this run's
+        hyperparameters) and the lr scheduler and loss scale stay as this engine has them (fresh in a
+        new one): for a new optimizer, new parameter groups or other parameters frozen.
+        load_lr_scheduler_states=False keeps this engine's scheduler (its own schedule from step 0)."""
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(f"load_checkpoint(load_dir, tag): tag is a checkpoint's name under load_dir, "
+                            f"got {tag!r}; missing_ok is keyword-only: load_checkpoint(dir, missing_ok=True)")
+        if not load_module_strict:
+            raise ValueError("load_checkpoint(load_module_strict=False): zeroshard loads every parameter (a "
+                             "checkpoint of another model is refused by name); to load part of a model, "
+                             "load its state_dict into the model before zeroshard.initialize()")
+        target = load_dir if tag is None else os.path.join(load_dir, tag)
+        path = checkpoint.resolve(target, missing_ok)
+        if path is None:
+            logger.info("no checkpoint in '%s': starting from the model's own values", target)
+            return None, None
+        load_optimizer_states = load_optimizer_states and not load_module_only
         self._free_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
         for flat in self.flats:
             flat.await_host_read()  # an offloaded shard is written in place
         with torch.no_grad(), self.comm.outside_step():
-            extra = checkpoint_load.load(load_dir, self.flats, self.optimizer, self._checkpoint_comm,
+            extra = checkpoint_load.load(target, self.flats, self.optimizer, self._checkpoint_comm,
                                          self._buffers, load_optimizer_states)
             disk = self._disk
             for flat in self.flats:
@@ -96,12 +110,11 @@ class EngineState:
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
         clock = self.comm.watch.clock
         clock.step, clock.micro = self.global_steps, self.micro_steps
-        if not load_optimizer_states:
-            return extra["client_state"]
-        self.scaler.load_state_dict(extra["scaler"])
-        if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        return extra["client_state"]
+        if load_optimizer_states:
+            self.scaler.load_state_dict(extra["scaler"])
+            if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        return path, extra["client_state"]
 
     # ---- views and measurements -----------------------------------------------------------------
     @contextmanager

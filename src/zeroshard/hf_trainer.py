@@ -209,7 +209,7 @@ class ZeroTrainer(Trainer):
         every rank alike, before training goes on)."""
         if checkpoint is None:
             return
-        saved = self.engine.load_checkpoint(os.path.join(checkpoint, _STATE_DIR))
+        _, saved = self.engine.load_checkpoint(os.path.join(checkpoint, _STATE_DIR))
         if saved["global_batch"] != self._global_batch():
             raise ValueError(f"'{checkpoint}' was saved with a global batch of {saved['global_batch']} "
                              f"samples per step, this run has {self._global_batch()} "

@@ -63,7 +63,8 @@ def _save(rank: int, world_size: int, stage: int, directory: str) -> None:
 
 def _resume(rank: int, world_size: int, stage: int, directory: str) -> None:
     engine = _engine(stage, seed=1234)  # another seed: nothing may lean on the initialisation
-    client = engine.load_checkpoint(directory)
+    path, client = engine.load_checkpoint(directory)  # DeepSpeed's pair
+    assert os.path.basename(path) == f"step{FIRST}"
     assert client == {"next_step": FIRST} and engine.global_steps == FIRST
     _train(engine, rank, world_size, range(FIRST, FIRST + SECOND))
     assert_weights_match(engine, reference_state(), 1e-5, 2e-6, f"resumed at stage {stage}, N={world_size}:")
@@ -217,7 +218,7 @@ def _weights_alone(rank: int, world_size: int, stage: int, directory: str) -> No
     """A checkpoint's weights under another optimizer train as if the model had been built with
     them: compared with one process that loads the weights saved and trains with SGD from scratch."""
     engine = _sgd_engine({}, stage, seed=5)
-    client = engine.load_checkpoint(directory, load_optimizer_states=False)
+    _, client = engine.load_checkpoint(directory, load_optimizer_states=False)
     assert client == {"next_step": FIRST} and engine.global_steps == FIRST
     assert engine.optimizer.param_groups[0]["lr"] == 0.05  # SGD's own, not AdamW's saved 1e-2
     _train(engine, rank, world_size, range(SECOND))

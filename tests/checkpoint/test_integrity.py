@@ -126,12 +126,16 @@ def _load_checks(rank: int, world_size: int, root: str) -> None:
         offered = os.path.join(root, case, "step1")
         assert f"the newest complete checkpoint is '{offered}' (load it by that path)" in str(error.value)
     missing = os.path.join(root, "never_saved")
-    assert engine.load_checkpoint(missing, missing_ok=True) is None
+    assert engine.load_checkpoint(missing, missing_ok=True) == (None, None)
     with pytest.raises(zeroshard.CheckpointError, match="does not exist"):
         engine.load_checkpoint(missing)
+    with pytest.raises(TypeError, match="missing_ok is keyword-only"):  # the old positional flag
+        engine.load_checkpoint(missing, True)
     assert _same(_snapshot(engine), before)  # nothing above changed anything
     engine.load_checkpoint(os.path.join(root, "legacy"))  # no manifest: loads, unverified
-    engine.load_checkpoint(os.path.join(root, "good"))
+    path, _ = engine.load_checkpoint(os.path.join(root, "good"), "step1")  # DeepSpeed's tag, not latest
+    assert path == os.path.join(root, "good", "step1") and engine.global_steps == 1
+    assert engine.load_checkpoint(os.path.join(root, "good"))[0] == os.path.join(root, "good", "step2")
     expected = torch.load(os.path.join(root, "state_at_step2.pt"))
     state = engine.full_state_dict()
     assert engine.global_steps == 2 and all(torch.equal(state[k], v) for k, v in expected.items())

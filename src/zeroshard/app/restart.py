@@ -153,7 +153,7 @@ def resume(engine, checkpoints: str, out: str, run_id: str, explicit: bool) -> t
     if not (explicit or resumed.restarts):
         return [], resumed
     path, progress = _decide(checkpoints, out, run_id, explicit)
-    history = engine.load_checkpoint(path)["losses"] if path else []
+    history = engine.load_checkpoint(path)[1]["losses"] if path else []
     resumed.step, resumed.path = len(history), path
     if progress is not None and resumed.restarts:
         resumed.steps_lost, resumed.failed_at = progress["step"] - resumed.step, progress["time"]
