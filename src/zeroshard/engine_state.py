@@ -60,7 +60,8 @@ class EngineState:
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, *, missing_ok: bool = False) -> tuple[str | None, Any]:
+                        load_module_only: bool = False, *,
+                        missing_ok: bool = False) -> tuple[str | None, Any]:
         """Collective; DeepSpeed's call. Load `load_dir/tag`, or without a tag the checkpoint that
         `load_dir/latest` names (or `load_dir` itself, a checkpoint directory), written at any world
         size and stage; returns (its path, the saved client_state). Nothing changes if it fails.
@@ -112,8 +113,9 @@ class EngineState:
         clock.step, clock.micro = self.global_steps, self.micro_steps
         if load_optimizer_states:
             self.scaler.load_state_dict(extra["scaler"])
-            if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            schedule = extra["lr_scheduler"] if load_lr_scheduler_states else None
+            if self.lr_scheduler is not None and schedule is not None:
+                self.lr_scheduler.load_state_dict(schedule)
         return path, extra["client_state"]
 
     # ---- views and measurements -----------------------------------------------------------------
