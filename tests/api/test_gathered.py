@@ -98,6 +98,9 @@ def test_gathered_parameters_refusals(one_process_group):
     with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
         with engine.gathered_parameters(modifier_rank=1):
             pass
+    with pytest.raises(TypeError, match="takes a rank or None, got Parameter: it gathers every parameter"):
+        with engine.gathered_parameters(engine.module.head.weight):  # DeepSpeed's GatheredParameters habit
+            pass
     x, _ = batches(1, 2)[0]
     with pytest.raises(RuntimeError, match="a forward inside gathered_parameters"):
         with engine.gathered_parameters(modifier_rank=0):
