@@ -33,8 +33,9 @@ def check_can_gather(comm: Comm, modifier_rank: int | None, delayed_update: bool
                            "step behind the master by design; read engine.full_state_dict() instead")
     if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)):
         raise TypeError(f"gathered_parameters(modifier_rank) takes a rank or None, got "
-                        f"{type(modifier_rank).__name__}: it gathers every parameter of the model (DeepSpeed's "
-                        f"GatheredParameters takes the parameters first); e.g. gathered_parameters(modifier_rank=0)")
+                        f"{type(modifier_rank).__name__}: it gathers every parameter of the model "
+                        f"(DeepSpeed's GatheredParameters takes the parameters first); e.g. "
+                        f"gathered_parameters(modifier_rank=0)")
     if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
         raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the {comm.world_size}-rank group")
     if modifier_rank is not None and comm.tp_size > 1:
