@@ -212,6 +212,25 @@ class Unit:
         self.module.register_forward_pre_hook(_eager(pre_forward))
         self.module.register_forward_hook(_eager(post_forward))
 
+    def guard_state_dict(self) -> None:
+        """Stage 3: outside forward this unit's parameters are empty placeholders, and a module's
+        state_dict() (torch.save, save_pretrained) would hold them as empty tensors, silently. Each
+        module registering one refuses it by name instead, unless the unit is gathered."""
+        unit = weakref.ref(self)
+        mine = {id(p) for f in self.flats if not f.persistent for p in f.params}
+
+        def refuse(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+            if unit() is not None and any(f.state is not ParamState.GATHERED for f in unit().flats
+                                          if not f.persistent):
+                raise RuntimeError(f"state_dict() of '{prefix.rstrip('.') or 'the model'}' at stage 3 "
+                                   f"outside forward: its parameters are sharded (empty here) and would be "
+                                   f"saved as empty tensors. Use engine.full_state_dict(), "
+                                   f"engine.save_checkpoint(), or call it inside `with "
+                                   f"engine.gathered_parameters():`")
+        for m in self.module.modules():
+            if any(id(p) in mine for p in m._parameters.values() if p is not None):
+                m.register_state_dict_post_hook(refuse)
+
     def _post_forward(self, output: object, order: UnitVisitor) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (activation checkpointing): keep parameters
@@ -252,6 +271,7 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
                            "forward to backward; name your block classes in zeroshard.unit_modules")
         for unit in units:
             unit.install_stage3_hooks(order)
+            unit.guard_state_dict()
         return False
     if not defer_gather:
         return False

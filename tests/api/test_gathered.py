@@ -98,6 +98,11 @@ def test_gathered_parameters_refusals(one_process_group):
     with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
         with engine.gathered_parameters(modifier_rank=1):
             pass
+    # A module's own state_dict() at stage 3 (torch.save, save_pretrained) would hold empty tensors.
+    with pytest.raises(RuntimeError, match="'tok' at stage 3 outside forward: .* saved as empty tensors"):
+        engine.module.state_dict()
+    with engine.gathered_parameters():
+        assert engine.module.state_dict()["tok.weight"].shape == engine.module.tok.weight.shape != (0,)
     with pytest.raises(TypeError, match="takes a rank or None, got Parameter: it gathers every parameter"):
         with engine.gathered_parameters(engine.module.head.weight):  # DeepSpeed's GatheredParameters habit
             pass
