@@ -29,6 +29,14 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
     cfg.check_batch_sizes(world_size=4)
 
 
+def test_deepspeed_keys_that_change_nothing_here_are_accepted():
+    """What a ported DeepSpeed config often carries, switched off or meaningless here: no edit needed."""
+    Config.load({"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+                 "prescale_gradients": False, "checkpoint": {"tag_validation": "Warn", "load_universal": False},
+                 **{name: {"enabled": False, "output_path": "x"} for name in (
+                     "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger")}})
+
+
 @pytest.mark.parametrize("section, kind, decay", [
     ({"type": "Adam"}, "AdamW", 0.0),      # DeepSpeed: adam_w_mode defaults to true
     ({"type": "adamw"}, "AdamW", 0.0),     # its FusedAdam's weight_decay, not torch AdamW's 0.01
@@ -84,7 +92,13 @@ def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
     ({"zero_optimization": {"stagee": 1}}, ["zero_optimization.stagee", "accepted", "stage"]),
     ({"zero_optimization": 3}, ["zero_optimization", "object"]),
     ({"scheduler": {"type": "OneCycle"}}, ["scheduler.type", "lr_scheduler="]),
-    ({"flops_profiler": {}}, ["flops_profiler", "does not implement"]),
+    ({"flops_profiler": {"enabled": True}}, ["flops_profiler.enabled", "does not implement"]),
+    ({"tensorboard": {"enabled": "yes"}}, ["tensorboard.enabled", "true or false"]),
+    ({"prescale_gradients": True}, ["prescale_gradients", "averaged in the reduction"]),
+    ({"checkpoint": {"tag_validation": "Maybe"}}, ["checkpoint.tag_validation", "Ignore"]),
+    ({"checkpoint": {"load_universal": True}}, ["checkpoint.load_universal", "any world size"]),
+    ({"checkpoint": {"parallel_write": {}}}, ["checkpoint.parallel_write", "does not implement"]),
+    ({"pipeline": {}}, ["pipeline", "does not implement"]),
     ({"optimizer": {"type": "Adafactor"}}, ["optimizer.type", "adamw"]),
     ({"optimizer": {"type": "Adam", "param": {}}}, ["optimizer.param", "type, params"]),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, ["both fp16 and bf16"]),

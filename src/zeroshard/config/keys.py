@@ -20,13 +20,14 @@ from .sections import (DTYPES, OPTIMIZERS, ConfigError, OptimizerConfig, ScalerC
 
 # DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
 NOT_IMPLEMENTED_TOP = {
-    "amp", "flops_profiler", "tensorboard", "wandb",
-    "csv_monitor", "comms_logger", "compression_training", "data_efficiency", "elasticity",
-    "autotuning", "pipeline", "sparse_attention", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "dump_state", "checkpoint", "data_types",
+    "compression_training", "data_efficiency", "pipeline", "sparse_attention",
+    "gradient_predivide_factor", "sparse_gradients", "dump_state", "data_types",
     "memory_breakdown", "seq_parallel_communication_data_type", "torch_autocast",
 }
+# DeepSpeed sections switched by "enabled" (off by default there): accepted while off, so a ported
+# config needs no edit; on, refused by name.
+_OFF_SECTIONS = ("amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+                 "autotuning", "elasticity")
 _NOT_IMPLEMENTED_ZERO = {
     "cpu_offload", "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
     "zero_hpz_partition_size",
@@ -245,6 +246,37 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
             _refuse(name, _NVME_KEYS, ["device", "pin_memory", *NVME_KEYS[section]])
 
 
+def _off_section(name: str) -> Callable[[Settings, Any], None]:
+    def check(cfg: Settings, value: Any) -> None:
+        if as_bool(f"{name}.enabled", as_dict(name, value).get("enabled", False)):
+            raise ConfigError(f"config key '{name}.enabled': true is a DeepSpeed feature that zeroshard does "
+                              f"not implement yet; set it to false or remove the section")
+    return check
+
+
+def _accepted(name: str) -> Callable[[Settings, Any], None]:
+    """zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer: zeroshard takes any elementwise
+    torch optimizer, and offload steps torch's own (fused) one on the host, whatever they say."""
+    def check(cfg: Settings, value: Any) -> None:
+        as_bool(name, value)
+    return check
+
+
+def _checkpoint(cfg: Settings, value: Any) -> None:
+    """DeepSpeed's `checkpoint` section: what holds here anyway is accepted. Tags are compared
+    across ranks whatever tag_validation says (a save on some ranks only is a DivergenceError)."""
+    for key, v in as_dict("checkpoint", value).items():
+        name = f"checkpoint.{key}"
+        if key == "tag_validation":
+            if not isinstance(v, str) or v.lower() not in ("ignore", "warn", "fail"):
+                raise ConfigError(f"config key '{name}' must be \"Ignore\", \"Warn\" or \"Fail\", got {v!r}")
+        elif key in ("load_universal", "use_node_local_storage"):
+            refuse_true(name, v, "zeroshard's checkpoints load at any world size and stage as they are"
+                        if key == "load_universal" else "every rank writes into the one directory")
+        else:
+            _refuse(name, {"parallel_write"}, ["tag_validation", "load_universal", "use_node_local_storage"])
+
+
 def _wall_clock(cfg: Settings, value: Any) -> None:
     refuse_true("wall_clock_breakdown", value, "no timers are kept")
 
@@ -298,6 +330,12 @@ TOP_LEVEL: dict[str, Callable[[Settings, Any], None]] = {
     "gradient_clipping": _clipping,
     "steps_per_print": _set_int("steps_per_print", 0),
     "wall_clock_breakdown": _wall_clock,
+    "prescale_gradients": lambda cfg, v: refuse_true("prescale_gradients", v, "gradients are averaged "
+                                                     "in the reduction"),
+    "zero_allow_untested_optimizer": _accepted("zero_allow_untested_optimizer"),
+    "zero_force_ds_cpu_optimizer": _accepted("zero_force_ds_cpu_optimizer"),
+    "checkpoint": _checkpoint,
+    **{name: _off_section(name) for name in _OFF_SECTIONS},
     "fp16": _fp16,
     "bf16": _bf16,
     "communication_data_type": _communication_dtype,
