@@ -137,6 +137,7 @@ class Engine(EngineState, EngineCompat):
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
         self.micro_steps = 0       # engine.step() calls
         self.last_grad_norm: float | None = None
+        self.step_applied = False  # the last step() updated the parameters (was_step_applied())
         self.state = TrainingState.IDLE
         self._world_comm: Comm | None = None  # checkpoints under tp: see _checkpoint_comm
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
@@ -250,6 +251,8 @@ class Engine(EngineState, EngineCompat):
         if self.is_gradient_accumulation_boundary() and not self.reducer.saw_backward:  # torch: no update
             raise RuntimeError("step() with no backward since the last update would apply weight decay "
                                "and momentum to zero gradients: call engine.backward(loss) before step()")
+        self._refuse_unscaled_backward()
+        self.step_applied = False
         watch = self.comm.watch
         watch.clock.micro += 1  # step() calls begun
         watch.check("step")
@@ -285,15 +288,6 @@ class Engine(EngineState, EngineCompat):
                         sum(v["bytes"] for v in self.comm.stats()["last_step"].values()) / 2**20)
 
     def _after_update(self) -> None:
+        self.step_applied = True
         if self.lr_scheduler is not None:  # (only real updates step it: not a skipped fp16 step)
             self.lr_scheduler.step()
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped (on every rank alike): fp16 overflows, and non-finite bf16/fp32
-        gradients with zeroshard.on_nonfinite "skip"."""
-        return self.scaler.skipped_steps + self.nonfinite.skipped
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale

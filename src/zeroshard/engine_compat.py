@@ -7,7 +7,10 @@ AttributeError that names what to use instead, never by a silently wrong value.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import torch
 
 _INSTEAD = {
     "state_dict": "the full fp32 weights are engine.full_state_dict(); the sharded training state is "
@@ -25,6 +28,83 @@ _INSTEAD = {
 
 class EngineCompat:
     """Mixed into engine.Engine: DeepSpeed's small conveniences, and pointers for the rest."""
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (on every rank alike): fp16 overflows, and non-finite bf16/fp32
+        gradients with zeroshard.on_nonfinite "skip"."""
+        return self.scaler.skipped_steps + self.nonfinite.skipped
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def _refuse_unscaled_backward(self) -> None:
+        """step() after loss.backward() instead of engine.backward(loss) works alone (the gradient
+        hooks reduce what arrives), but the loss was neither divided by the accumulation steps nor
+        multiplied by the fp16 loss scale: refused where either applies, before anything changes."""
+        gas = self.config.gradient_accumulation_steps
+        if self.reducer.plain_backward and (gas > 1 or self.scaler.enabled):
+            why = f"divides it by gradient_accumulation_steps ({gas})" if gas > 1 else \
+                "multiplies it by the fp16 loss scale"
+            raise RuntimeError(f"step() after loss.backward(): engine.backward(loss) {why}, so these "
+                               f"gradients are off by that factor; call engine.backward(loss) instead of "
+                               f"loss.backward()")
+
+    # ---- DeepSpeed's engine accessors --------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """As configured (None if the config does not say)."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """Samples per optimizer step over every data-parallel rank (None without a micro-batch size)."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
+
+    def was_step_applied(self) -> bool:
+        """Did the last step() update the parameters (an accumulation boundary, not a skipped step)?"""
+        return self.step_applied
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (the ranks ZeRO shards over)."""
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self(*args, **kwargs)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Collective. DeepSpeed's export: the full weights in the training dtype, saved by rank 0
+        with torch.save (a safetensors file: zeroshard.consolidate). Returns True."""
+        dtype = self.config.dtype(None)
+        state = self.full_state_dict(rank0_only=True)
+        if state:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                       os.path.join(save_dir, save_filename))
+        return True
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for close()."""
+        self.close()
 
     def get_lr(self) -> list[float]:
         """The learning rate of each parameter group, as DeepSpeed's engine.get_lr()."""

@@ -67,6 +67,8 @@ class GradientReducer:
         self._ends_cycle = False        # this backward ends an accumulation cycle
         self.arrived = 0                # gradients that arrived this cycle (loss.backward() called directly)
         self.backwards = 0              # engine.backward() calls this cycle (alike on every rank)
+        self._in_engine_backward = False
+        self.plain_backward = False     # gradients came from a loss.backward() since the last step
         self._unit_of = {id(f): u for u in units for f in u.flats}
         self._install_hooks()
 
@@ -93,6 +95,7 @@ class GradientReducer:
         that backward's reduced gradients start their way to the host as each reduction ends."""
         self._ends_cycle = ends_cycle
         self.backwards += 1
+        self._in_engine_backward = True
         if ends_cycle and self.overlap and not self.policy.shard_grads and \
                 self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
@@ -101,6 +104,7 @@ class GradientReducer:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
         self._set_phase(CyclePhase.ACCUMULATING)
         self.arrived = self.backwards = 0
+        self.plain_backward = False
 
     @property
     def saw_backward(self) -> bool:
@@ -115,6 +119,7 @@ class GradientReducer:
     def on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
         flat = self.units[unit_index].flats[flat_index]
         self.arrived += 1
+        self.plain_backward |= not self._in_engine_backward
         if flat.accumulate(param):
             self.on_complete()
             if self._reducing_as_complete:
@@ -168,6 +173,7 @@ class GradientReducer:
         for flat in self.flats:
             flat.end_backward()
         self._reducing = None
+        self._in_engine_backward = False
 
 
 def _grad_ready(reducer: "weakref.ref[GradientReducer]", unit_index: int, flat_index: int,

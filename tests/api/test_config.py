@@ -32,7 +32,8 @@ def test_deepspeed_style_config_is_accepted(tmp_path):
 def test_deepspeed_keys_that_change_nothing_here_are_accepted():
     """What a ported DeepSpeed config often carries, switched off or meaningless here: no edit needed."""
     Config.load({"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-                 "prescale_gradients": False, "checkpoint": {"tag_validation": "Warn", "load_universal": False},
+                 "prescale_gradients": False,
+                 "checkpoint": {"tag_validation": "Warn", "load_universal": False},
                  **{name: {"enabled": False, "output_path": "x"} for name in (
                      "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger")}})
 

@@ -250,6 +250,24 @@ def test_silent_mistakes_are_refused(one_process_group):
         engine.state_dict()
     with pytest.raises(AttributeError, match="no attribute 'nonsense'$"):
         engine.nonsense
+    # DeepSpeed's accessors, answered.
+    assert engine.was_step_applied() and engine.zero_optimization_stage() == 2 and engine.training
+    assert (engine.global_rank, engine.world_size, engine.gradient_accumulation_steps()) == (0, 1, 1)
+    assert engine.train_batch_size() is None and torch.equal(engine.forward(torch.ones(1, 4)),
+                                                              engine(torch.ones(1, 4)))
+    # loss.backward() instead of engine.backward(loss), where the engine would have scaled the loss:
+    # the gradients would be off by the accumulation steps. Refused at step(), nothing changed.
+    engine = zeroshard.initialize(nn.Linear(4, 4), _sgd, {"gradient_accumulation_steps": 2,
+                                                          "train_micro_batch_size_per_gpu": 3})
+    assert engine.train_batch_size() == 6
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    assert not engine.was_step_applied()  # within the accumulation cycle
+    engine(torch.ones(2, 4)).sum().backward()
+    before = engine.full_state_dict()
+    with pytest.raises(RuntimeError, match="after loss.backward.*gradient_accumulation_steps \\(2\\)"):
+        engine.step()
+    assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
 
 
 def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
