@@ -208,7 +208,7 @@ def test_engine_lifecycle_and_checkpoint_edges(tmp_path):
     assert weights["empty"].shape == (0,) and "frozen.weight" in weights
 
 
-def test_silent_mistakes_are_refused(one_process_group):
+def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     model = nn.Linear(4, 4)
     with pytest.raises(TypeError, match="scheduler instance was built over another optimizer"):
         other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
@@ -255,6 +255,9 @@ def test_silent_mistakes_are_refused(one_process_group):
     assert (engine.global_rank, engine.world_size, engine.gradient_accumulation_steps()) == (0, 1, 1)
     assert engine.train_batch_size() is None and torch.equal(engine.forward(torch.ones(1, 4)),
                                                               engine(torch.ones(1, 4)))
+    assert engine.save_16bit_model(str(tmp_path), "model.bin")  # DeepSpeed's export, rank 0 writes it
+    saved, full = torch.load(tmp_path / "model.bin"), engine.full_state_dict()
+    assert saved.keys() == full.keys() and all(torch.equal(saved[k], full[k]) for k in full)  # fp32 run
     # loss.backward() instead of engine.backward(loss), where the engine would have scaled the loss:
     # the gradients would be off by the accumulation steps. Refused at step(), nothing changed.
     engine = zeroshard.initialize(nn.Linear(4, 4), _sgd, {"gradient_accumulation_steps": 2,
