@@ -10,7 +10,6 @@ One step, at every stage:
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from enum import Enum
 from typing import Any, Iterator
@@ -41,8 +40,6 @@ from .policy import Buckets, StagePolicy
 from .flat_param import FlatParam
 from .prefetch import UnitOrder
 from .units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
-
-logger = logging.getLogger("zeroshard")
 
 
 class TrainingState(Enum):
@@ -283,9 +280,7 @@ class Engine(EngineState, EngineCompat):
         watch.clock.step = self.global_steps
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            logger.info("step %d: model states %.1f MiB per rank, traffic %.1f MiB last step",
-                        self.global_steps, self.memory_stats()["model_states"] / 2**20,
-                        sum(v["bytes"] for v in self.comm.stats()["last_step"].values()) / 2**20)
+            self._print_step()
 
     def _after_update(self) -> None:
         self.step_applied = True

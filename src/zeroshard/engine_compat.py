@@ -7,10 +7,13 @@ AttributeError that names what to use instead, never by a silently wrong value.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
+
+logger = logging.getLogger("zeroshard")
 
 _INSTEAD = {
     "state_dict": "the full fp32 weights are engine.full_state_dict(); the sharded training state is "
@@ -50,6 +53,18 @@ class EngineCompat:
             raise RuntimeError(f"step() after loss.backward(): engine.backward(loss) {why}, so these "
                                f"gradients are off by that factor; call engine.backward(loss) instead of "
                                f"loss.backward()")
+
+    def _print_step(self) -> None:
+        """steps_per_print's line: to the `zeroshard` logger where logging shows INFO, else printed
+        (as DeepSpeed's own logger prints it), so the key does something without a logging setup."""
+        sent = sum(v["bytes"] for v in self.comm.stats()["last_step"].values())
+        line = (f"step {self.global_steps}: lr {self.get_lr()}, grad norm {self.last_grad_norm:.4g}, "
+                f"model states {self.memory_stats()['model_states'] / 2**20:.1f} MiB per rank, traffic "
+                f"{sent / 2**20:.1f} MiB last step")
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(line)
+        else:
+            print(f"[zeroshard] {line}", flush=True)
 
     # ---- DeepSpeed's engine accessors --------------------------------------------------------------
     def zero_optimization_stage(self) -> int:

@@ -127,3 +127,20 @@ def test_helpers_before_the_process_group_starts():
     assert done.stdout.splitlines() == ["(0, 1) 2.5 ['x']", "True False", "(1, 3)"], done.stdout + done.stderr
     assert "mean_over_ranks() before the process group started: call zeroshard.initialize() or " \
            "zeroshard.ensure_process_group() first" in done.stderr, done.stderr
+
+
+def test_steps_per_print_prints_without_a_logging_setup(one_process_group, capsys, caplog):
+    """DeepSpeed's key prints its line where logging would not show it, and logs it where it would."""
+    engine = zeroshard.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1),
+                                  {"steps_per_print": 2})
+    for _ in range(4):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[zeroshard] step")]
+    assert [line.split(":")[0] for line in printed] == ["[zeroshard] step 2", "[zeroshard] step 4"], printed
+    assert "lr [0.1], grad norm" in printed[0] and "model states" in printed[0]
+    with caplog.at_level("INFO", logger="zeroshard"):
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+    assert "step 6: lr [0.1]" in caplog.text and "[zeroshard] step" not in capsys.readouterr().out
