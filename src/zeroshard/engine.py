@@ -217,6 +217,7 @@ class Engine(EngineState, EngineCompat):
             (loss * factor if factor != 1.0 else loss).backward()
         except BaseException:
             self._set_state(TrainingState.IDLE)
+            self.reducer.backward_failed()
             raise
         self._finish_backward()
         self._set_state(TrainingState.BACKWARD_DONE)  # decided by API calls, the same on every rank
@@ -248,7 +249,8 @@ class Engine(EngineState, EngineCompat):
         if self.is_gradient_accumulation_boundary() and not self.reducer.saw_backward:  # torch: no update
             raise RuntimeError("step() with no backward since the last update would apply weight decay "
                                "and momentum to zero gradients: call engine.backward(loss) before step()")
-        self._refuse_unscaled_backward()
+        if self.state is not TrainingState.BACKWARD_DONE:
+            self._refuse_unscaled_backward()
         self.step_applied = False
         watch = self.comm.watch
         watch.clock.micro += 1  # step() calls begun
@@ -269,10 +271,12 @@ class Engine(EngineState, EngineCompat):
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
         delayed = self.copier if self.config.delayed_param_update else None
+        skipped = self.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
                                            self.global_steps, self.config.zero.sub_group_size, delayed,
                                            self._after_update, self.nonfinite)
+        self.step_applied = self.skipped_steps == skipped  # (begun, with the delayed update)
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()
@@ -283,6 +287,5 @@ class Engine(EngineState, EngineCompat):
             self._print_step()
 
     def _after_update(self) -> None:
-        self.step_applied = True
         if self.lr_scheduler is not None:  # (only real updates step it: not a skipped fp16 step)
             self.lr_scheduler.step()

@@ -43,16 +43,29 @@ class EngineCompat:
         return self.scaler.scale
 
     def _refuse_unscaled_backward(self) -> None:
-        """step() after loss.backward() instead of engine.backward(loss) works alone (the gradient
-        hooks reduce what arrives), but the loss was neither divided by the accumulation steps nor
-        multiplied by the fp16 loss scale: refused where either applies, before anything changes."""
+        """step() with no engine.backward since the last one. After a plain loss.backward() that
+        works alone (the gradient hooks reduce what arrives), but the loss was neither divided by
+        the accumulation steps nor multiplied by the fp16 loss scale: refused where either applies.
+        Decided alike on every rank (a rank's loss may reach no gradient); the refused cycle's
+        gradients are dropped, so the engine goes on from the cycle's start."""
         gas = self.config.gradient_accumulation_steps
-        if self.reducer.plain_backward and (gas > 1 or self.scaler.enabled):
-            why = f"divides it by gradient_accumulation_steps ({gas})" if gas > 1 else \
-                "multiplies it by the fp16 loss scale"
-            raise RuntimeError(f"step() after loss.backward(): engine.backward(loss) {why}, so these "
-                               f"gradients are off by that factor; call engine.backward(loss) instead of "
-                               f"loss.backward()")
+        if gas == 1 and not self.scaler.enabled:
+            return
+        plain = torch.tensor(float(self.reducer.plain_backward), device=self.comm.device)
+        with self.comm.outside_step():
+            self.comm.all_reduce(plain)
+        if not plain.item():
+            return  # no backward at all in this micro-step: nothing to scale
+        self._finish_backward()  # the reductions the gradient hooks began, completed on every rank
+        for flat in self.flats:
+            flat.zero_grad()
+        self.reducer.end_step()
+        self.micro_steps -= self.micro_steps % gas
+        why = f"divides it by gradient_accumulation_steps ({gas})" if gas > 1 else \
+            "multiplies it by the fp16 loss scale"
+        raise RuntimeError(f"step() after loss.backward(): engine.backward(loss) {why}, so these gradients "
+                           f"were off by that factor. This accumulation cycle's gradients are dropped; run "
+                           f"it again with engine.backward(loss) in place of loss.backward()")
 
     def _print_step(self) -> None:
         """steps_per_print's line: to the `zeroshard` logger where logging shows INFO, else printed

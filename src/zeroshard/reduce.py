@@ -100,6 +100,10 @@ class GradientReducer:
                 self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
 
+    def backward_failed(self) -> None:
+        """engine.backward raised: gradients arriving from now on come from a plain backward."""
+        self._in_engine_backward = False
+
     def end_step(self) -> None:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
         self._set_phase(CyclePhase.ACCUMULATING)

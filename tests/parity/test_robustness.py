@@ -271,6 +271,17 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     with pytest.raises(RuntimeError, match="after loss.backward.*gradient_accumulation_steps \\(2\\)"):
         engine.step()
     assert all(torch.equal(v, before[k]) for k, v in engine.full_state_dict().items())
+    for _ in range(2):  # the cycle starts again, as the message says: the engine is not stuck
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+    loss = engine(torch.ones(2, 4)).sum()
+    loss.register_hook(lambda grad: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # an engine.backward that fails inside autograd ...
+        engine.backward(loss)
+    engine(torch.ones(2, 4)).sum().backward()  # ... leaves a later plain backward still caught
+    with pytest.raises(RuntimeError, match="after loss.backward"):
+        engine.step()
 
 
 def _gather_behind_forward(rank: int, world_size: int, directory: str) -> None:
