@@ -109,8 +109,10 @@ class ZeroTrainer(Trainer):
         if "optimizer" not in config:
             cls, options = self.optimizer_cls_and_kwargs or \
                 self.get_optimizer_cls_and_kwargs(self.args, model)
-            if cls in OPTIMIZERS.values():
-                config["optimizer"] = {"type": cls.__name__, "params": dict(options)}
+            if cls in OPTIMIZERS.values():  # torch's class as it is ("Adam" alone would mean DeepSpeed's)
+                torch_adam = {"torch_adam": True, "adam_w_mode": cls is torch.optim.AdamW} \
+                    if cls in (torch.optim.Adam, torch.optim.AdamW) else {}
+                config["optimizer"] = {"type": cls.__name__, "params": {**options, **torch_adam}}
             else:  # the user's optimizer_cls_and_kwargs: initialize refuses a non-elementwise one
                 optimizer = lambda params: cls(params, **options)
             groups[0]["weight_decay"] = self.args.weight_decay

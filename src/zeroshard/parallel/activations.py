@@ -196,20 +196,24 @@ def _is_kv_cache(x: Any) -> bool:
 
 def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A block run again in backward would append its keys and values to a KV cache a second time:
-    wrong attention, so wrong gradients (or a shape error). A checkpointed block therefore runs
-    without one (`use_cache` off), as transformers' own gradient checkpointing runs its layers;
-    nothing in training reads that cache."""
-    if not (kwargs.get("use_cache") or any(map(_is_kv_cache, (*args, *kwargs.values())))):
+    wrong attention, so wrong gradients (or a shape error). A checkpointed block therefore gets no
+    cache while gradients are on, as transformers' own gradient checkpointing passes its layers
+    none; nothing in training reads it. A cache that already holds tokens (a prefix) is refused:
+    without it the block would attend to less than the model's mask and positions say."""
+    caches = [x for x in (*args, *kwargs.values()) if _is_kv_cache(x)]
+    if not caches:
         return args, kwargs
+    if any(c.get_seq_length() > 0 for c in caches):
+        raise RuntimeError("activation checkpointing with a KV cache that already holds tokens: a block "
+                           "recomputed in backward cannot reuse it. Train without past_key_values, or "
+                           "drop the \"activation_checkpointing\" section")
     global _warned_about_cache
     if not _warned_about_cache:
         _warned_about_cache = True
-        logger.warning("activation checkpointing: blocks run without their KV cache (use_cache=False) "
-                       "while gradients are on, since a block recomputed in backward would fill it twice")
-    kwargs = {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return tuple(None if _is_kv_cache(a) else a for a in args), kwargs
+        logger.warning("activation checkpointing: blocks run without the KV cache while gradients are "
+                       "on, since a block recomputed in backward would fill it twice")
+    return (tuple(None if _is_kv_cache(a) else a for a in args),
+            {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()})
 
 
 _warned_about_cache = False
