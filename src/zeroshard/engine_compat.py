@@ -119,15 +119,20 @@ class EngineCompat:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self(*args, **kwargs)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Collective. DeepSpeed's export: the full weights in the training dtype, saved by rank 0
-        with torch.save (a safetensors file: zeroshard.consolidate). Returns True."""
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective. DeepSpeed's export: the full weights in the training dtype (tied weights one
+        tensor), saved by rank 0 with torch.save (a safetensors file: zeroshard.consolidate).
+        Returns True."""
         dtype = self.config.dtype(None)
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
         state = self.full_state_dict(rank0_only=True)
         if state:
+            cast: dict[int, torch.Tensor] = {}  # by the source tensor: tied names share it
+            out = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v)
+                   for k, v in state.items() if not (exclude_frozen_parameters and k in frozen)}
             os.makedirs(save_dir, exist_ok=True)
-            torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
-                       os.path.join(save_dir, save_filename))
+            torch.save(out, os.path.join(save_dir, save_filename))
         return True
 
     def destroy(self) -> None:

@@ -67,10 +67,11 @@ class EngineState:
         size and stage; returns (its path, the saved client_state). Nothing changes if it fails.
         With missing_ok, a missing or empty directory is no error: it logs a line and returns
         (None, None), so "resume if there is anything to resume" is one call. With
-        load_optimizer_states=False (or load_module_only), the weights, buffers, step count, random
-        state and client_state are loaded; the optimizer starts afresh (no state, this run's
-        hyperparameters) and the lr scheduler and loss scale stay as this engine has them (fresh in a
-        new one): for a new optimizer, new parameter groups or other parameters frozen.
+        load_optimizer_states=False, the weights, buffers, step count, random state and client_state
+        are loaded; the optimizer starts afresh (no state, this run's hyperparameters) and the lr
+        scheduler and loss scale stay as this engine has them (fresh in a new one): for a new
+        optimizer, new parameter groups or other parameters frozen. load_module_only loads the
+        weights and buffers alone (step count and random state stay this run's).
         load_lr_scheduler_states=False keeps this engine's scheduler (its own schedule from step 0)."""
         if tag is not None and not isinstance(tag, str):
             raise TypeError(f"load_checkpoint(load_dir, tag): tag is a checkpoint's name under load_dir, "
@@ -85,6 +86,8 @@ class EngineState:
             logger.info("no checkpoint in '%s': starting from the model's own values", target)
             return None, None
         load_optimizer_states = load_optimizer_states and not load_module_only
+        on_gpu = self.comm.device.type == "cuda"  # load_module_only keeps this run's random state:
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.comm.device) if on_gpu else None
         self._free_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
         for flat in self.flats:
@@ -106,6 +109,11 @@ class EngineState:
         self.reducer.end_step()  # the loaded state starts a cycle: a step() needs a backward first
         if self.copier is not None:
             self.copier.unwritten = False  # the parameters are the loaded master's
+        if load_module_only:
+            torch.set_rng_state(rng[0])  # DeepSpeed's load_module_only loads the module alone
+            if on_gpu:
+                torch.cuda.set_rng_state(rng[1], self.comm.device)
+            return path, extra["client_state"]
         # Checkpoints are taken at accumulation boundaries; the accumulation steps may differ now.
         self.global_steps = extra["global_steps"]
         self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
@@ -126,7 +134,7 @@ class EngineState:
         forward, or, with modifier_rank, change them in place on that rank; on exit its changes go
         to every rank and into the training state (fp32 masters included). Yields the module. Run
         no forward inside. As DeepSpeed's GatheredParameters, FSDP's summon_full_params."""
-        gathered.check_can_gather(self.comm, modifier_rank, self.config.delayed_param_update)
+        modifier_rank = gathered.check_can_gather(self.comm, modifier_rank, self.config.delayed_param_update)
         self.wait_for_parameters()
         with gathered.full_parameters(self.units, self.flats, self.comm, modifier_rank):
             yield self.module

@@ -16,6 +16,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -26,21 +27,25 @@ from .flat_param import FlatParam, ParamState, disk_store
 from .units import Unit
 
 
-def check_can_gather(comm: Comm, modifier_rank: int | None, delayed_update: bool) -> None:
-    """What gathered_parameters refuses, alike on every rank (before any collective)."""
+def check_can_gather(comm: Comm, modifier_rank: int | None, delayed_update: bool) -> int | None:
+    """What gathered_parameters refuses, alike on every rank (before any collective); returns the
+    modifier rank as a Python int."""
     if delayed_update:
         raise RuntimeError("gathered_parameters() with zeroshard.delayed_param_update: the parameters are a "
                            "step behind the master by design; read engine.full_state_dict() instead")
-    if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)):
+    try:
+        modifier_rank = None if modifier_rank is None else operator.index(modifier_rank)  # numpy's too
+    except TypeError:
         raise TypeError(f"gathered_parameters(modifier_rank) takes a rank or None, got "
                         f"{type(modifier_rank).__name__}: it gathers every parameter of the model "
                         f"(DeepSpeed's GatheredParameters takes the parameters first); e.g. "
-                        f"gathered_parameters(modifier_rank=0)")
+                        f"gathered_parameters(modifier_rank=0)") from None
     if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
         raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the {comm.world_size}-rank group")
     if modifier_rank is not None and comm.tp_size > 1:
         raise NotImplementedError("gathered_parameters(modifier_rank=...) under tensor parallelism: change "
                                   "the weights before initialize(), or load them with load_checkpoint()")
+    return modifier_rank
 
 
 @contextmanager

@@ -93,8 +93,11 @@ def test_gathered_parameters_read_and_change(tmp_path, world_size, stage, precis
     spawn(_gathered, world_size, stage, precision, offload, str(tmp_path))
 
 
-def test_gathered_parameters_refusals(one_process_group):
+def test_gathered_parameters_refusals(one_process_group, tmp_path):
     engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 3}})
+    engine.save_16bit_model(str(tmp_path), exclude_frozen_parameters=True)  # DeepSpeed's export
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert saved["head.weight"].data_ptr() == saved["tok.weight"].data_ptr()  # tied: saved once
     with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
         with engine.gathered_parameters(modifier_rank=1):
             pass

@@ -139,6 +139,10 @@ def _load_checks(rank: int, world_size: int, root: str) -> None:
     expected = torch.load(os.path.join(root, "state_at_step2.pt"))
     state = engine.full_state_dict()
     assert engine.global_steps == 2 and all(torch.equal(state[k], v) for k, v in expected.items())
+    rng = torch.get_rng_state()  # DeepSpeed's load_module_only: the weights, not the run's position
+    engine.load_checkpoint(os.path.join(root, "good"), "step1", load_module_only=True)
+    assert engine.global_steps == 2 and torch.equal(torch.get_rng_state(), rng)
+    assert not all(torch.equal(engine.full_state_dict()[k], v) for k, v in expected.items())
 
 
 def test_damage_is_named_on_every_rank_and_changes_nothing(saved):
