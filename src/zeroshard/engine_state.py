@@ -71,7 +71,8 @@ class EngineState:
         are loaded; the optimizer starts afresh (no state, this run's hyperparameters) and the lr
         scheduler and loss scale stay as this engine has them (fresh in a new one): for a new
         optimizer, new parameter groups or other parameters frozen. load_module_only loads the
-        weights and buffers alone (step count and random state stay this run's).
+        weights and buffers alone: step count and random state stay this run's, and the optimizer
+        starts afresh as with load_optimizer_states=False (DeepSpeed keeps its in-memory moments).
         load_lr_scheduler_states=False keeps this engine's scheduler (its own schedule from step 0)."""
         if tag is not None and not isinstance(tag, str):
             raise TypeError(f"load_checkpoint(load_dir, tag): tag is a checkpoint's name under load_dir, "
@@ -128,13 +129,15 @@ class EngineState:
 
     # ---- views and measurements -----------------------------------------------------------------
     @contextmanager
-    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[nn.Module]:
+    def gathered_parameters(self, *params: Any, modifier_rank: int | None = None) -> Iterator[nn.Module]:
         """Collective. Inside, engine.module's parameters hold their full values at every stage (at
         stage 3 the whole model is gathered at once, in the compute dtype): read weights outside
         forward, or, with modifier_rank, change them in place on that rank; on exit its changes go
         to every rank and into the training state (fp32 masters included). Yields the module. Run
-        no forward inside. As DeepSpeed's GatheredParameters, FSDP's summon_full_params."""
-        modifier_rank = gathered.check_can_gather(self.comm, modifier_rank, self.config.delayed_param_update)
+        no forward inside. As DeepSpeed's GatheredParameters, FSDP's summon_full_params, but always
+        of every parameter: DeepSpeed's positional `params` is refused by name."""
+        modifier_rank = gathered.check_can_gather(self.comm, params, modifier_rank,
+                                                  self.config.delayed_param_update)
         self.wait_for_parameters()
         with gathered.full_parameters(self.units, self.flats, self.comm, modifier_rank):
             yield self.module

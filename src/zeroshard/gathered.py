@@ -27,19 +27,26 @@ from .flat_param import FlatParam, ParamState, disk_store
 from .units import Unit
 
 
-def check_can_gather(comm: Comm, modifier_rank: int | None, delayed_update: bool) -> int | None:
+_GATHERS_ALL = ("it gathers every parameter of the model (DeepSpeed's GatheredParameters(params, "
+                "modifier_rank) names the parameters first); e.g. gathered_parameters(modifier_rank=0), or "
+                "gathered_parameters() to read")
+
+
+def check_can_gather(comm: Comm, params: tuple, modifier_rank: int | None,
+                     delayed_update: bool) -> int | None:
     """What gathered_parameters refuses, alike on every rank (before any collective); returns the
     modifier rank as a Python int."""
+    if params:
+        raise TypeError(f"gathered_parameters() takes no positional argument, got "
+                        f"{type(params[0]).__name__}: {_GATHERS_ALL}")
     if delayed_update:
         raise RuntimeError("gathered_parameters() with zeroshard.delayed_param_update: the parameters are a "
                            "step behind the master by design; read engine.full_state_dict() instead")
     try:
         modifier_rank = None if modifier_rank is None else operator.index(modifier_rank)  # numpy's too
     except TypeError:
-        raise TypeError(f"gathered_parameters(modifier_rank) takes a rank or None, got "
-                        f"{type(modifier_rank).__name__}: it gathers every parameter of the model "
-                        f"(DeepSpeed's GatheredParameters takes the parameters first); e.g. "
-                        f"gathered_parameters(modifier_rank=0)") from None
+        raise TypeError(f"gathered_parameters(modifier_rank=) takes a rank or None, got "
+                        f"{type(modifier_rank).__name__}: {_GATHERS_ALL}") from None
     if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
         raise ValueError(f"modifier_rank {modifier_rank} is not a rank of the {comm.world_size}-rank group")
     if modifier_rank is not None and comm.tp_size > 1:

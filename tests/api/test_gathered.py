@@ -106,8 +106,14 @@ def test_gathered_parameters_refusals(one_process_group, tmp_path):
         engine.module.state_dict()
     with engine.gathered_parameters():
         assert engine.module.state_dict()["tok.weight"].shape == engine.module.tok.weight.shape != (0,)
-    with pytest.raises(TypeError, match="takes a rank or None, got Parameter: it gathers every parameter"):
+    with pytest.raises(TypeError, match="no positional argument, got Parameter: it gathers every parameter"):
         with engine.gathered_parameters(engine.module.head.weight):  # DeepSpeed's GatheredParameters habit
+            pass
+    with pytest.raises(TypeError, match="no positional argument, got generator"):
+        with engine.gathered_parameters(engine.module.parameters(), modifier_rank=0):
+            pass
+    with pytest.raises(TypeError, match="modifier_rank=\\) takes a rank or None, got list"):
+        with engine.gathered_parameters(modifier_rank=[0]):
             pass
     x, _ = batches(1, 2)[0]
     with pytest.raises(RuntimeError, match="a forward inside gathered_parameters"):
