@@ -88,7 +88,8 @@ class EngineState:
             return None, None
         load_optimizer_states = load_optimizer_states and not load_module_only
         on_gpu = self.comm.device.type == "cuda"  # load_module_only keeps this run's random state:
-        rng = torch.get_rng_state(), torch.cuda.get_rng_state(self.comm.device) if on_gpu else None
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.comm.device) if on_gpu else None) \
+            if load_module_only else None
         self._free_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
         for flat in self.flats:
