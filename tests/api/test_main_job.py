@@ -79,6 +79,27 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
         in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("keys, cli_stage, stage", [
+    ({"zeroshard": {"defer_param_gather": True}}, 2, 2),  # a stage-1/2 key and no stage in the file
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, None, 3),  # no stage: the CLI's 3
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, None, 1),
+])
+def test_a_config_is_judged_at_the_stage_the_command_runs(tmp_path, keys, cli_stage, stage):
+    """A file without a stage runs at --stage (or 3), so it is validated there, not at DeepSpeed's 0."""
+    import argparse
+
+    import zeroshard
+    from zeroshard.app.options import defaults_from_config
+    from zeroshard.app.train import TrainArgs
+    (tmp_path / "ds.json").write_text(json.dumps(keys))
+    args = argparse.Namespace(config=str(tmp_path / "ds.json"), stage=cli_stage, precision=None, nproc=2,
+                              tp=1, batch_size=None)
+    defaults_from_config(args)
+    assert args.stage == stage
+    raw = TrainArgs(config=args.config, stage=args.stage, nproc=2).engine_config()
+    assert zeroshard.Config.load(raw).stage == stage
+
+
 def test_compare_reports_every_stage_against_ddp(tmp_path):
     # The DDP baseline follows the config's recipe too: schedule, clipping, accumulation.
     config = tmp_path / "ds.json"

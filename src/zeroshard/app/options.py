@@ -33,9 +33,13 @@ def defaults_from_config(args: argparse.Namespace) -> None:
     """Options not given on the command line take the config's values, then the usual defaults; a
     --batch-size that contradicts the config's batch sizes is an error naming both."""
     import zeroshard
-    config = zeroshard.Config.load(args.config) if args.config else zeroshard.Config()
+    raw = zeroshard.Config.read(args.config) if args.config else {}
+    zero = raw.get("zero_optimization", {})  # not a dict: Config.load below names the error
     if getattr(args, "stage", 0) is None:
-        args.stage = config.zero.stage if "stage" in config.raw.get("zero_optimization", {}) else 3
+        args.stage = zero.get("stage", 3) if isinstance(zero, dict) else 3  # validated just below
+    if getattr(args, "stage", None) is not None and isinstance(zero, dict):  # judged at the stage it runs
+        raw = {**raw, "zero_optimization": {**zero, "stage": args.stage}}
+    config = zeroshard.Config.load(raw)
     if args.precision is None:
         args.precision = config.precision  # fp32 unless a bf16 or fp16 section enables it
     dp = args.nproc // getattr(args, "tp", 1)

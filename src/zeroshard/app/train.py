@@ -65,7 +65,7 @@ class TrainArgs:
     quiet: bool = False          # compare: no progress bar, no report
 
     def engine_config(self) -> dict[str, Any]:
-        raw = dict(zeroshard.Config.load(self.config).raw) if self.config else {}
+        raw = zeroshard.Config.read(self.config) if self.config else {}
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
         for key in ("offload_optimizer", "offload_param"):  # given on the command line: they win
             if getattr(self, key) is not None:

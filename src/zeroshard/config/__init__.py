@@ -33,6 +33,12 @@ class Config(Settings):
         raise ConfigError(f"config must be a dict, a path to a JSON file or a zeroshard.Config, "
                           f"got {type(source).__name__}")
 
+    @staticmethod
+    def read(source: "str | os.PathLike") -> dict[str, Any]:
+        """A JSON config file's keys, not yet validated: a launcher merges its command-line values in
+        (the stage, say) before `load` validates the whole, so the file is judged as it will run."""
+        return _read_json(os.fspath(source))
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
         cfg = cls(raw=dict(raw))
