@@ -22,7 +22,7 @@ from typing import Callable, ContextManager
 
 from torch import nn
 
-from .flat_grad import reduce_together, reducible_together
+from .flat_grad import GradState, reduce_together, reducible_together
 from .flat_param import FlatParam
 from .policy import StagePolicy
 from .states import move, temporarily
@@ -162,7 +162,8 @@ class GradientReducer:
     def finish_backward(self) -> None:
         """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order."""
         late = self.phase is CyclePhase.REDUCED
-        if self._reducing_as_complete:
+        reduced_now = self._reducing_as_complete
+        if reduced_now:
             for group in self.groups[self._next:]:
                 self._reduce(group, async_op=False)  # nothing left to overlap with; memory stays flat
         self._next = 0
@@ -174,10 +175,29 @@ class GradientReducer:
         if late and not self._local_only:  # stages 0-1: a backward after this cycle's reduction
             for flat in self.order:
                 flat.reduce_late()
+        elif reduced_now:
+            self._reduce_again()
         for flat in self.flats:
             flat.end_backward()
         self._reducing = None
         self._in_engine_backward = False
+
+
+    def _reduce_again(self) -> None:
+        """Gradients that arrived after their buffer was reduced in this same backward are reduced
+        and added now, buffer by buffer in the fixed order. That happens under reentrant activation
+        checkpointing (torch's use_reentrant=True, and zeroshard's own): each recompute runs a
+        backward of its own, so a block called several times (ALBERT's shared layer), or a parameter
+        used inside and outside a checkpoint, reports its gradient once per recompute. Which buffers
+        those are follows from the graph, which is the same on every rank (as `UnitOrder` assumes)."""
+        for flat in self.order:
+            if flat.grad_state is GradState.ACCUMULATING_MORE:
+                if self.policy.shard_grads:
+                    flat.reduce_grads()  # added to the shard this backward already reduced into
+                    flat.finish_reduce()
+                else:
+                    flat.reduce_late()
+                self._reduced(flat)
 
 
 def _grad_ready(reducer: "weakref.ref[GradientReducer]", unit_index: int, flat_index: int,

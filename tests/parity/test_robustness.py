@@ -337,14 +337,19 @@ def test_stages_1_2_gather_behind_the_next_forward(tmp_path):
 
 
 def _activation_checkpointing(rank: int, world_size: int) -> None:
-    """Blocks recomputed in backward (torch.utils.checkpoint, both flavours): at stage 3 the
-    recomputation runs inside backward on the gathered unit, which must not be freed by it."""
+    """Blocks recomputed in backward (torch.utils.checkpoint, both flavours, and zeroshard's own): at
+    stage 3 the recomputation runs inside backward on the gathered unit, which must not be freed by
+    it. A reentrant recompute runs a backward of its own, so the block called twice reports its
+    gradients twice in one backward, the second time after its buffer was reduced."""
     ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
-    for flavour in ("non-reentrant", "reentrant"):
+    for flavour in ("non-reentrant", "reentrant", "zeroshard"):
         for stage in (0, 1, 2, 3):
             torch.manual_seed(0)
-            engine = zeroshard.initialize(TinyGPT(checkpointing=flavour), _sgd,
-                                          {"zero_optimization": {"stage": stage}})
+            config = {"zero_optimization": {"stage": stage}}
+            if flavour == "zeroshard":  # every Block a unit, so `twice` is checkpointed at each call
+                config.update(activation_checkpointing={}, zeroshard={"unit_modules": ["Block"]})
+            engine = zeroshard.initialize(TinyGPT(checkpointing=None if flavour == "zeroshard" else flavour),
+                                          _sgd, config)
             losses = []
             for step, (x, y) in enumerate(batches(3, 4)):
                 mine = slice(2 * rank, 2 * rank + 2)
@@ -354,7 +359,7 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
                 torch.distributed.all_reduce(loss := loss.detach())
                 losses.append(loss.item() / world_size)
             what = f"activation checkpointing ({flavour}) at stage {stage}"
-            if stage == 3:  # recomputation reuses the unit gathered for backward: no extra gather
+            if stage == 3 and flavour != "zeroshard":  # the recompute reuses the unit gathered for backward
                 everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
                 root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
                 assert engine.comm_stats()["last_step"]["all_gather"]["bytes"] == 2 * everything - root, what
