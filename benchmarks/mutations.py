@@ -176,6 +176,11 @@ MUTATIONS = [
              '"transfer": flat.host.nbytes if flat.host is not None else 0,', '"transfer": 0,',
              (f"{OFF}::test_offloaded_shards_are_the_only_copy",),
              "memory_stats() leaves out offload's host transfer buffers"),
+    Mutation("recompute-gradient-dropped", "src/zeroshard/reduce.py",
+             "        elif reduced_now:\n            self._reduce_again()\n", "",
+             (f"{ROB}::test_activation_checkpointing_at_every_stage",),
+             "a gradient arriving after its buffer was reduced in the same backward (reentrant "
+             "recompute of a block called twice) is dropped"),
 ]
 
 
