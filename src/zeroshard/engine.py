@@ -95,7 +95,7 @@ class Engine(EngineState, EngineCompat):
         offloads = self.precision.offload or self.precision.offload_params
         # host<->device copies (offload.py)
         self.copier = Copier(comm.device, config.delayed_param_update) if offloads else None
-        self.scaler = LossScaler(config.scaler)
+        self.scaler = LossScaler(config.scaler, report=comm.rank == 0)
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.

@@ -63,7 +63,8 @@ class NonFiniteGuard:
         loss_note = f"; the loss was not finite on ranks {losses}" if losses else ""
         if self.action == "skip":
             self.skipped += 1
-            logger.warning("step %d skipped: non-finite gradient %s%s", step, where, loss_note)
+            if self.comm.rank == 0:  # every rank skips it: one line says so
+                logger.warning("step %d skipped: non-finite gradient %s%s", step, where, loss_note)
             return
         raise NonFiniteError(f"step {step}: non-finite gradient, {where}{loss_note}. Lower the learning "
                              f"rate, enable gradient_clipping, or set \"zeroshard\": {{\"on_nonfinite\": "

@@ -69,8 +69,9 @@ class LossScaler:
     gradient norm (non-finite on overflow), so every rank skips the same steps and never diverges.
     """
 
-    def __init__(self, cfg: ScalerConfig | None) -> None:
+    def __init__(self, cfg: ScalerConfig | None, report: bool = True) -> None:
         self.enabled = cfg is not None
+        self.report = report  # warn of a skipped step (rank 0 only: every rank skips the same steps)
         self.cfg = cfg or ScalerConfig(loss_scale=1.0)
         self.dynamic = self.enabled and self.cfg.loss_scale == 0
         self.scale = 2.0 ** self.cfg.initial_scale_power if self.dynamic else float(self.cfg.loss_scale)
@@ -89,7 +90,8 @@ class LossScaler:
         self.skipped_steps += 1
         self._clean_steps = 0
         if not self.dynamic:
-            logger.warning("step %d skipped: gradient overflow at static loss scale %g", step, self.scale)
+            if self.report:
+                logger.warning("step %d skipped: gradient overflow at static loss scale %g", step, self.scale)
             return
         if self._tolerance > 1:  # hysteresis: tolerate this overflow without shrinking
             self._tolerance -= 1
@@ -100,7 +102,8 @@ class LossScaler:
                 f"learning rate, or train in bf16 (\"bf16\": {{\"enabled\": true}}).")
         else:
             self.scale = max(self.scale / 2.0, self.cfg.min_loss_scale)
-        logger.warning("step %d skipped: gradient overflow; loss scale now %g", step, self.scale)
+        if self.report:
+            logger.warning("step %d skipped: gradient overflow; loss scale now %g", step, self.scale)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "tolerance": self._tolerance, "clean_steps": self._clean_steps,

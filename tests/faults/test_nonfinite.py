@@ -2,6 +2,9 @@
 raised with the step and the first parameter named, or skipped and counted (on_nonfinite)."""
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -24,7 +27,10 @@ def _poisoned_run(rank: int, world_size: int, stage: int, clip: float, action: s
             loss = loss * float("nan")  # one rank's loss only: every rank must agree on the step
         engine.backward(loss)
         try:
-            engine.step()
+            with _warnings() as said:
+                engine.step()
+            skipped = [m for m in said if "skipped: non-finite gradient" in m]
+            assert len(skipped) == (step == 2 and rank == 0), (rank, said)  # one line, from rank 0
         except NonFiniteError as e:
             assert action == "raise" and step == 2, (step, e)
             assert "step 2: non-finite gradient, first in unit" in str(e) and "parameter '" in str(e), e
@@ -36,6 +42,20 @@ def _poisoned_run(rank: int, world_size: int, stage: int, clip: float, action: s
             assert engine.skipped_steps == 1
     assert action == "skip" and engine.skipped_steps == 1
     assert all(torch.isfinite(v).all() for v in engine.full_state_dict().values() if v.is_floating_point())
+
+
+@contextlib.contextmanager
+def _warnings():
+    """The messages zeroshard's logger warns of inside the block."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("zeroshard")
+    logger.addHandler(handler)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
 
 
 def _runs(rank: int, world_size: int, action: str, cases: list[tuple[int, float]]) -> None:
