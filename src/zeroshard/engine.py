@@ -127,7 +127,7 @@ class Engine(EngineState, EngineCompat):
         self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries,
                                     config.zero.stage3_prefetch_bucket_size,
                                     config.zero.stage3_max_live_parameters,
-                                    config.zero.stage3_max_reuse_distance)
+                                    config.zero.stage3_max_reuse_distance, self.reducer.reduce_ready)
         install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
         self._buffers = persistent_buffers(module)

@@ -25,8 +25,9 @@ class UnitOrder:
 
     def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
                  prefetch_numel: int | None = None, max_live_numel: int = 10**9,
-                 max_reuse_numel: int = 0) -> None:
+                 max_reuse_numel: int = 0, on_passed: Callable[[], None] = lambda: None) -> None:
         self.enabled = prefetch
+        self.on_passed = on_passed  # the reducer: reduce what the units backward has passed hold
         self.prefetch_numel = prefetch_numel  # None: exactly the next unit
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
@@ -76,10 +77,15 @@ class UnitOrder:
         return held + unit.numel + ahead <= self.max_live_numel
 
     def before_backward(self, unit: Unit) -> None:
+        """Backward reached `unit` (a hook on its outputs: alike on every rank). First the units
+        that ran after it are passed, reduced and freed, then this unit's gather is issued, then its
+        predecessor's (prefetch), then this one is waited for. The reductions come first, so every
+        rank issues them at the same point among the gathers whatever gradients its data produced."""
+        at = None if unit.is_root else self._advance_to(unit)  # the root's hook fires first
         if self.enabled:
-            unit.prefetch()  # as in forward: the predecessor's gather is issued before this wait
-        if not unit.is_root:  # the root's outputs are the model's: its hook fires first
-            self._advance_to(unit)
+            unit.prefetch()
+        if at is not None:
+            prefetch_together(self._to_prefetch(self.current[at - 1::-1] if at > 0 else []))
         unit.gather()
         self.on_gather()
 
@@ -104,16 +110,24 @@ class UnitOrder:
                 due.append(unit)
         return due
 
-    def _advance_to(self, unit: Unit) -> None:
-        """Backward reached `unit`'s latest unvisited occurrence: prefetch its predecessor, and mark
-        the units that ran only after it as passed (free them if their gradients are reduced)."""
+    def _advance_to(self, unit: Unit) -> int | None:
+        """Backward reached `unit`'s latest unvisited occurrence (returned: its position in the
+        forward): the units that ran only after it are passed. Their gradients are in (autograd
+        accumulates a block's weights before it moves on to the block that fed it), except those
+        this rank's data never produced (an expert that got no tokens): so they are reduced now,
+        with zeros there, and freed. Reducing them only when complete would put that reduce-scatter
+        among the gathers at a place that depends on the data, and ranks would pair different
+        collectives."""
         for i in range(self._backward_at - 1, -1, -1):
             if self.current[i] is unit:
                 self._backward_at = i
-                prefetch_together(self._to_prefetch(self.current[i - 1::-1] if i > 0 else []))
                 still_needed = set(map(id, self.current[:i + 1]))
-                for later in self.current[i + 1:]:
-                    if id(later) not in still_needed and later.progress is not UnitProgress.PASSED:
-                        later.set_progress(UnitProgress.PASSED)
-                        later.maybe_free()
-                return
+                passed = [later for later in dict.fromkeys(self.current[i + 1:])
+                          if id(later) not in still_needed and later.progress is not UnitProgress.PASSED]
+                for later in passed:
+                    later.set_progress(UnitProgress.PASSED)
+                self.on_passed()
+                for later in passed:
+                    later.maybe_free()
+                return i
+        return None

@@ -26,7 +26,7 @@ from .flat_grad import GradState, reduce_together, reducible_together
 from .flat_param import FlatParam
 from .policy import StagePolicy
 from .states import move, temporarily
-from .units import Unit
+from .units import Unit, UnitProgress
 
 
 class CyclePhase(Enum):
@@ -126,10 +126,18 @@ class GradientReducer:
         self.plain_backward |= not self._in_engine_backward
         if flat.accumulate(param):
             self.on_complete()
-            if self._reducing_as_complete:
-                while self._next < len(self.groups) and all(f.complete for f in self.groups[self._next]):
-                    self._reduce(self.groups[self._next], async_op=self.overlap)
-                    self._next += 1
+            self.reduce_ready()
+
+    def reduce_ready(self) -> None:
+        """Reduce, in the fixed order, each group whose buffers are complete, or (stage 3) whose
+        units backward has passed (`UnitOrder._advance_to`: missing gradients count as zeros);
+        stop at the first group that is neither."""
+        if not self._reducing_as_complete:
+            return
+        while self._next < len(self.groups) and all(f.complete or self._unit_of[id(f)].progress is
+                                                    UnitProgress.PASSED for f in self.groups[self._next]):
+            self._reduce(self.groups[self._next], async_op=self.overlap)
+            self._next += 1
 
     def _reduce(self, flats: list[FlatParam], async_op: bool) -> None:
         """Reduce one group of buffers: alone, or in one collective (see `groups`)."""

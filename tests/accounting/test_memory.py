@@ -115,9 +115,11 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                                       {"zero_optimization": {"stage": 3, **extra},
                                        "zeroshard": {"unit_modules": ["Block"]}})
         root = engine.units[0].numel
-        most, kept = [], []
-        for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward
+        most, kept, most_back = [], [], []
+        for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward, backward
             b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
+            b.register_full_backward_pre_hook(
+                lambda *_: most_back.append(sum(u.gathered for u in engine.units[1:])))
         losses = []
         for _ in range(2):
             loss = loss_fn(engine(x), y)
@@ -126,7 +128,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
             engine.step()
             losses.append(loss.item())
         gathers = engine.comm_stats()["last_step"]["all_gather"]["calls"]
-        results[name] = (max(most), losses, kept[-1], gathers)
+        results[name] = (max(most), losses, kept[-1], gathers, max(most_back))
     assert results["none"][0] == 1 and results["next unit"][0] == 2
     assert results["3 units"][0] == 4 and results["3 units, live cap"][0] == 2
     assert results["under a unit"][0] == 2
@@ -138,11 +140,15 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                     "reuse": 4, "reuse, live cap": 3}, kept
     # With prefetch, gathers issued together go out as one collective: the root's with the first
     # block's, and the blocks a bucket prefetches at once ("3 units").
-    single = ("next unit", "under a unit", "3 units, live cap", "reuse", "reuse, live cap")
+    single = ("next unit", "under a unit", "reuse", "reuse, live cap")
     assert all(gathers[n] == gathers["next unit"] - (kept[n] - kept["next unit"]) for n in single), gathers
     assert gathers["3 units"] < gathers["next unit"] < gathers["none"] - kept["next unit"], gathers
+    # Under the cap, backward prefetches two blocks at once where the one it passed is freed first.
+    assert gathers["3 units"] <= gathers["3 units, live cap"] < gathers["next unit"], gathers
+    back = {name: r[4] for name, r in results.items()}
+    assert back["3 units, live cap"] <= 2 and back["none"] == 1 and back["next unit"] == 2, back
     assert results["reuse"][0] == 4  # blocks 4-6 kept, and block 7 running
-    assert len({tuple(losses) for _, losses, _, _ in results.values()}) == 1  # bit-identical losses
+    assert len({tuple(losses) for _, losses, _, _, _ in results.values()}) == 1  # bit-identical losses
 
 
 def test_prefetch_bucket_and_max_live_parameters():
