@@ -54,5 +54,5 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
     cfg = Config.load(config)
     axes = _split_mesh(mesh, process_group)
     if process_group is None and mesh is None:
-        ensure_process_group()
+        ensure_process_group(timeout_s=cfg.collective_timeout)  # NCCL's waits are not bounded otherwise
     return Engine(model, optimizer, cfg, Comm(axes.dp_group), param_groups, lr_scheduler, axes)

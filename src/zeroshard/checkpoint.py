@@ -58,6 +58,18 @@ def whole_shapes(flats: list[FlatParam]) -> dict[str, tuple[tuple[int, ...], tup
 
 
 # ---- save -----------------------------------------------------------------------------------------
+def check_tag(tag: object) -> str:
+    """A tag names one directory inside save_dir, beside the `latest` pointer and the hidden
+    `.TAG.tmp` of a save in progress: anything else is refused before a byte is written."""
+    if not isinstance(tag, str):  # as load_checkpoint's
+        raise TypeError(f"checkpoint tag must be a string, got {type(tag).__name__}: e.g. f'step{{n}}'")
+    if not tag or tag == LATEST or tag.startswith(".") or tag.endswith(".old") or "/" in tag or "\\" in tag:
+        raise ValueError(f"checkpoint tag {tag!r} cannot name a checkpoint: a tag is one directory name, "
+                         f"not '{LATEST}' (the pointer to the newest), not starting with '.' or ending in "
+                         f"'.old', without '/'; e.g. 'step100' or 'epoch1-step100'")
+    return tag
+
+
 def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm,
          buffers: dict[str, torch.Tensor], extra: dict[str, Any]) -> str:
     """Collective. Returns the path of the committed checkpoint."""

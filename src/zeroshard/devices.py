@@ -129,9 +129,17 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     CUDA is available: init_process_group() without a backend (and init_device_mesh("cuda", ...),
     which calls it so) pairs CUDA with NCCL and the CPU with gloo."""
     backend = str(dist.get_backend(group))
-    if "nccl" in backend or (backend == "undefined" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if not ("nccl" in backend or (backend == "undefined" and torch.cuda.is_available())):
+        return torch.device("cpu")
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    if bound is not None:  # init_process_group(device_id=...)
+        return bound
+    index = torch.cuda.current_device()
+    if index == 0 and "LOCAL_RANK" in os.environ:  # a group the script started without set_device:
+        index = local_cuda_index()                 # every rank would work on GPU 0
+        if index != 0:
+            torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def check_placement(module: nn.Module, device: torch.device) -> None:

@@ -99,7 +99,8 @@ class Engine(EngineState, EngineCompat):
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
-        stand_ins = [{"params": [nn.Parameter(torch.zeros(1))], **o} for o in options]
+        home = torch.device("cpu") if config.zero.offload_optimizer else comm.device  # where shards live
+        stand_ins = [{"params": [nn.Parameter(torch.zeros(1, device=home))], **o} for o in options]
         probe = build_optimizer(optimizer, config, stand_ins, guarded=False)
         if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
             self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)

@@ -125,7 +125,8 @@ class EngineCompat:
         tensor), saved by rank 0 with torch.save (a safetensors file: zeroshard.consolidate).
         Returns True."""
         dtype = self.config.dtype(None)
-        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False)  # tied names too
+                  if not p.requires_grad}
         state = self.full_state_dict(rank0_only=True)
         if state:
             cast: dict[int, torch.Tensor] = {}  # by the source tensor: tied names share it

@@ -37,6 +37,7 @@ class EngineState:
         if self.micro_steps % self.config.gradient_accumulation_steps:
             raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
                                "accumulated gradients; save after the step() that ends the cycle")
+        tag = checkpoint.check_tag(f"step{self.global_steps}" if tag is None else tag)
         self.comm.watch.check("save_checkpoint")  # a save on some ranks only is named, not a hang
         self.wait_for_parameters()
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
@@ -45,7 +46,7 @@ class EngineState:
                  "world_size": self.comm.world_size, "tp": self.comm.tp_size, "stage": self.config.stage,
                  "state_dict_keys": self._state_dict_keys, "client_state": client_state}
         with torch.no_grad(), self.comm.outside_step():
-            return checkpoint.save(save_dir, tag or f"step{self.global_steps}", self.flats, self.optimizer,
+            return checkpoint.save(save_dir, tag, self.flats, self.optimizer,
                                    self._checkpoint_comm, self._buffers, extra)
 
     @property

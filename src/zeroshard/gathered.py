@@ -67,12 +67,16 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
     seen = [f.full.clone() if f.persistent else
             f.full[slice(*f.owned_range())].clone() if modifier_rank is not None else None for f in flats]
     taken = False
+    for unit in units:  # a module's load_state_dict() inside is taken too (unit_guards)
+        unit.edits_taken = modifier_rank is not None
     try:
         yield
         if modifier_rank is not None:
             _take_changes(flats, seen, comm, modifier_rank)
             taken = True
     finally:
+        for unit in units:
+            unit.edits_taken = None
         if not taken:  # read-only, or the block raised: every rank as it was
             with torch.no_grad():
                 for flat, before in zip(flats, seen):

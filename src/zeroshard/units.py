@@ -25,6 +25,7 @@ from .flat_param import FlatParam, ParamState, prefetch_flats
 from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
+from .unit_guards import _eager, gather_root_for_its_parts, guard_load_state_dict, guard_state_dict
 
 logger = logging.getLogger("zeroshard")
 
@@ -151,6 +152,8 @@ class Unit:
         # Freeing during backward is only safe when no frozen buffer may still be needed later.
         self.free_when_reduced = not self.is_root and all(f.trainable for f in flats)
         self.progress = UnitProgress.RAN_FORWARD
+        # Inside engine.gathered_parameters(): whether edits are taken (modifier_rank); None outside.
+        self.edits_taken: bool | None = None
 
     def set_progress(self, new: UnitProgress) -> None:
         self.progress = move(self.progress, new, _PROGRESS_MOVES, f"unit '{self.name}'")
@@ -212,24 +215,10 @@ class Unit:
         self.module.register_forward_pre_hook(_eager(pre_forward))
         self.module.register_forward_hook(_eager(post_forward))
 
-    def guard_state_dict(self) -> None:
-        """Stage 3: outside forward this unit's parameters are empty placeholders, and a module's
-        state_dict() (torch.save, save_pretrained) would hold them as empty tensors, silently. Each
-        module registering one refuses it by name instead, unless the unit is gathered."""
-        unit = weakref.ref(self)
-        mine = {id(p) for f in self.flats if not f.persistent for p in f.params}
-
-        def refuse(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-            if unit() is not None and any(f.state is not ParamState.GATHERED for f in unit().flats
-                                          if not f.persistent):
-                raise RuntimeError(f"state_dict() of '{prefix.rstrip('.') or 'the model'}' at stage 3 "
-                                   f"outside forward: its parameters are sharded (empty here) and would be "
-                                   f"saved as empty tensors. Use engine.full_state_dict(), "
-                                   f"engine.save_checkpoint(), or call it inside `with "
-                                   f"engine.gathered_parameters():`")
-        for m in self.module.modules():
-            if any(id(p) in mine for p in m._parameters.values() if p is not None):
-                m.register_state_dict_post_hook(refuse)
+    @property
+    def complete(self) -> bool:
+        """Every buffer gathered (none sharded, none in flight)."""
+        return all(f.state is ParamState.GATHERED for f in self.flats)
 
     def _post_forward(self, output: object, order: UnitVisitor) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -251,19 +240,14 @@ def prefetch_together(units: list[Unit]) -> None:
     prefetch_flats([f for u in units for f in u.flats])
 
 
-def _eager(hook: Callable) -> Callable:
-    """A hook dynamo runs eagerly at a graph break rather than tracing: the unit hooks swap
-    parameters' storage in and out, which dynamo cannot trace, so a compiled module (compiled
-    before or after initialize) only ever sees gathered parameters."""
-    return torch._dynamo.disable(hook)
-
-
 def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, defer_gather: bool,
                   rank: int) -> bool:
     """Stage 3: gather/free hooks on every unit. Stages 1-2 with zeroshard.defer_param_gather: the
     post-step all-gather is issued, not waited for, and each module waits for its unit's right
-    before its forward, so the gather hides behind the forward's compute. Returns whether that was
-    set up."""
+    before its forward, so the gather hides behind the forward's compute. Every stage: a module's
+    load_state_dict() that the next step would undo is refused. Returns whether the deferred gather
+    was set up."""
+    deferred = False
     if policy.shard_params:
         if len(units) == 1 and rank == 0:
             logger.warning("stage 3 found no unit besides the root (no nn.ModuleList, no "
@@ -271,12 +255,14 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
                            "forward to backward; name your block classes in zeroshard.unit_modules")
         for unit in units:
             unit.install_stage3_hooks(order)
-            unit.guard_state_dict()
-        return False
-    if not defer_gather:
-        return False
-    for unit in units:
-        unit.install_gather_hooks(units)
-        for flat in unit.flats:
-            flat.gather_behind_forward = True
-    return True
+            guard_state_dict(unit)
+        gather_root_for_its_parts(units[0])
+    elif defer_gather:
+        deferred = True
+        for unit in units:
+            unit.install_gather_hooks(units)
+            for flat in unit.flats:
+                flat.gather_behind_forward = True
+    for unit in units:  # after the deferred gather's wait: a load judges the gathered parameters
+        guard_load_state_dict(unit)
+    return deferred

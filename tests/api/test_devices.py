@@ -85,6 +85,23 @@ def test_the_group_device_follows_the_backend(monkeypatch, backend, cuda, expect
     assert devices.group_device() == torch.device(expected)
 
 
+def test_a_group_the_script_started_works_on_the_ranks_own_gpu(monkeypatch):
+    """dist.init_process_group("nccl") under torchrun with no torch.cuda.set_device(): the rank's GPU
+    is LOCAL_RANK's, not GPU 0 for every rank; a GPU the script chose, or bound to the group, stays."""
+    chosen, current = [], [0]
+    monkeypatch.setattr(devices.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(devices.dist, "group", type("G", (), {"WORLD": None}))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert devices.group_device() == torch.device("cuda", 2) and chosen == [2]
+    current[0] = 3  # the script's own choice
+    assert devices.group_device() == torch.device("cuda", 3) and chosen == [2]
+
+
 def test_the_process_group_keeps_a_gpu_the_user_chose(monkeypatch):
     chosen, started = [], []
     monkeypatch.setattr(devices.dist, "is_initialized", lambda: False)

@@ -98,6 +98,13 @@ def test_gathered_parameters_refusals(one_process_group, tmp_path):
     engine.save_16bit_model(str(tmp_path), exclude_frozen_parameters=True)  # DeepSpeed's export
     saved = torch.load(tmp_path / "pytorch_model.bin")
     assert saved["head.weight"].data_ptr() == saved["tok.weight"].data_ptr()  # tied: saved once
+    assert "frozen.weight" not in saved and "blocks.0.ln.bias" not in saved
+    frozen_tied = TinyGPT()
+    frozen_tied.tok.weight.requires_grad_(False)  # head.weight is the same tensor: left out as well
+    zeroshard.initialize(frozen_tied, _sgd, {"zero_optimization": {"stage": 3}}).save_16bit_model(
+        str(tmp_path / "tied"), exclude_frozen_parameters=True)
+    saved = torch.load(tmp_path / "tied" / "pytorch_model.bin")
+    assert "tok.weight" not in saved and "head.weight" not in saved and "blocks.0.up.weight" in saved
     with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
         with engine.gathered_parameters(modifier_rank=1):
             pass
@@ -120,3 +127,33 @@ def test_gathered_parameters_refusals(one_process_group, tmp_path):
         with engine.gathered_parameters(modifier_rank=0):
             engine(x)
     assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())
+
+
+@pytest.mark.parametrize("stage, extra, kept_elsewhere", [
+    (0, {}, False), (2, {}, False),  # fp32 in place: the parameters are what training keeps
+    (1, {"bf16": {"enabled": True}}, True), (3, {}, True),
+    (2, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, True)])
+def test_module_load_state_dict_after_initialize(one_process_group, stage, extra, kept_elsewhere):
+    """A load the next step would silently undo (the fp32 master, a shard or a host copy keeps the
+    values) is refused by name; inside gathered_parameters(modifier_rank=0) it is taken and lasts."""
+    torch.manual_seed(1)
+    loaded = {k: v.clone() for k, v in TinyGPT().state_dict().items()}
+    torch.manual_seed(0)
+    config = {**extra, "zero_optimization": {**extra.get("zero_optimization", {}), "stage": stage}}
+    engine = zeroshard.initialize(TinyGPT(), lambda p: torch.optim.SGD(p, lr=0.0), config)
+    if kept_elsewhere:
+        with pytest.raises(RuntimeError, match="into 'the model' after zeroshard.initialize: "):
+            engine.module.load_state_dict(loaded)
+        with pytest.raises(RuntimeError, match="without modifier_rank, every change is undone on exit"):
+            with engine.gathered_parameters() as model:
+                model.load_state_dict(loaded)
+        with engine.gathered_parameters(modifier_rank=0) as model:
+            model.load_state_dict(loaded)
+    else:
+        engine.module.load_state_dict(loaded)
+    x, y = batches(1, 2)[0]
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()  # lr 0: the loaded values must survive it
+    dtype = torch.bfloat16 if "bf16" in extra else torch.float32  # bf16: an element whose bf16 value
+    for name, value in engine.full_state_dict().items():             # stayed keeps its fp32 master
+        assert torch.equal(value.to(dtype), loaded[name].to(dtype)), name

@@ -65,6 +65,9 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
+    done = zeroshard_here("train", "--device", "cpu", *common, "--out", str(tmp_path / "a"))  # no --resume
+    assert done.returncode == 2 and "already holds an earlier run's checkpoints (the latest: 'step2'); " \
+        "a new run would overwrite them: pass --resume" in done.stderr, done.stderr
     done = zeroshard_here("train", "--device", "cpu", *common, "--resume", "--out", str(tmp_path / "a"))
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
@@ -98,6 +101,14 @@ def test_a_config_is_judged_at_the_stage_the_command_runs(tmp_path, keys, cli_st
     assert args.stage == stage
     raw = TrainArgs(config=args.config, stage=args.stage, nproc=2).engine_config()
     assert zeroshard.Config.load(raw).stage == stage
+
+
+def test_compare_judges_the_config_at_every_stage_first(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    done = zeroshard_here("compare", "--device", "cpu", "--config", str(tmp_path / "ds.json"))
+    assert done.returncode == 2 and "--config at stage 0 (of --stages): zero_optimization.offload_param " \
+        "needs zero_optimization.stage 3" in done.stderr and "leave stage 0 out of --stages" in done.stderr, \
+        done.stderr
 
 
 def test_compare_reports_every_stage_against_ddp(tmp_path):

@@ -247,3 +247,14 @@ def test_bad_checkpoints_are_named_and_change_nothing(tmp_path):
             with open(corrupt / "step3" / name, "r+b") as f:
                 f.truncate(100)
     spawn(_bad_checkpoints, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("tag, error", [
+    ("latest", ValueError), (".hidden", ValueError), ("a/b", ValueError), ("../outside", ValueError),
+    ("x.old", ValueError), ("", ValueError), (100, TypeError)])
+def test_a_tag_that_cannot_name_a_checkpoint_is_refused_before_writing(one_process_group, tmp_path, tag,
+                                                                       error):
+    engine = zeroshard.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(error, match="tag"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag=tag)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "outside").exists()

@@ -90,7 +90,9 @@ class _DropoutStack(torch.nn.Module):
         return self.head(x)
 
 
-def _dropout_recompute(rank: int, world_size: int) -> None:
+def _dropout_recompute(rank: int, world_size: int, autocast: bool) -> None:
+    """Dropout draws the same masks, and (forward under torch.autocast, backward outside it, as
+    usual) the recompute runs in the forward's precision."""
     results = {}
     for checkpointed in (False, True):
         torch.manual_seed(0)
@@ -101,18 +103,21 @@ def _dropout_recompute(rank: int, world_size: int) -> None:
         torch.manual_seed(rank)  # once: the recompute must neither change nor advance the stream
         for step in range(3):
             x = torch.randint(0, 37, (4, SEQ), generator=torch.Generator().manual_seed(step + 10 * rank))
-            engine.backward(torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), x.flatten()))
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                logits = engine(x)
+            engine.backward(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten()))
             engine.step()
         results[checkpointed] = engine.full_state_dict()
         if checkpointed:
             assert engine.memory_stats()["checkpointed_activations"] > 0  # it did checkpoint
     plain, recomputed = results[False], results[True]
     assert all(torch.equal(plain[k], recomputed[k]) for k in plain), \
-        "dropout under activation checkpointing trained differently from without it"
+        f"activation checkpointing (autocast {autocast}) trained differently from without it"
 
 
-def test_dropout_draws_the_same_masks_in_the_recompute():
-    spawn(_dropout_recompute, 2)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_recompute_draws_the_same_masks_in_the_same_precision(autocast):
+    spawn(_dropout_recompute, 2, autocast)
 
 
 def _hf_model(arch: str) -> torch.nn.Module:

@@ -14,12 +14,18 @@ _USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFini
 
 
 def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
-    """--resume with --steps at or below the checkpoint's step would train nothing: say so."""
+    """An --out holding checkpoints needs --resume (a new run would overwrite them); --resume with
+    --steps at or below the checkpoint's step would train nothing: say so."""
     import zeroshard
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
-    if not args.resume or not os.path.isfile(os.path.join(checkpoints, LATEST)):
+    if not os.path.isfile(os.path.join(checkpoints, LATEST)):
         return
+    if not args.resume:  # a new run would write its checkpoints over these, and `latest` with them
+        with open(os.path.join(checkpoints, LATEST)) as f:
+            latest = f.read().strip()
+        parser.error(f"--out {args.out} already holds an earlier run's checkpoints (the latest: {latest!r}); "
+                     f"a new run would overwrite them: pass --resume to continue that run, or another --out")
     try:
         done = len((zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("losses", []))
     except (zeroshard.CheckpointError, TypeError):
@@ -37,9 +43,13 @@ def defaults_from_config(args: argparse.Namespace) -> None:
     zero = raw.get("zero_optimization", {})  # not a dict: Config.load below names the error
     if getattr(args, "stage", 0) is None:
         args.stage = zero.get("stage", 3) if isinstance(zero, dict) else 3  # validated just below
-    if getattr(args, "stage", None) is not None and isinstance(zero, dict):  # judged at the stage it runs
-        raw = {**raw, "zero_optimization": {**zero, "stage": args.stage}}
-    config = zeroshard.Config.load(raw)
+    for stage in getattr(args, "stages", []):  # compare: judged at every stage it will run
+        try:
+            zeroshard.Config.load(_at_stage(raw, stage))
+        except zeroshard.ConfigError as e:
+            raise ValueError(f"--config at stage {stage} (of --stages): {e}; leave stage {stage} out of "
+                             f"--stages, or change the config") from None
+    config = zeroshard.Config.load(_at_stage(raw, getattr(args, "stage", None)))  # as train runs it
     if args.precision is None:
         args.precision = config.precision  # fp32 unless a bf16 or fp16 section enables it
     dp = args.nproc // getattr(args, "tp", 1)
@@ -52,6 +62,14 @@ def defaults_from_config(args: argparse.Namespace) -> None:
                          f"of {micro} per rank ({dp} data-parallel ranks): drop one of them")
     if args.batch_size is None:
         args.batch_size = micro or 8
+
+
+def _at_stage(raw: dict, stage: int | None) -> dict:
+    """The config with `stage` in its zero_optimization section (None, or no section to put it in:
+    as it is), so a file without a stage is judged at the stage the command runs."""
+    zero = raw.get("zero_optimization", {})
+    return raw if stage is None or not isinstance(zero, dict) else \
+        {**raw, "zero_optimization": {**zero, "stage": stage}}
 
 
 def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -34,10 +34,11 @@ class Config(Settings):
                           f"got {type(source).__name__}")
 
     @staticmethod
-    def read(source: "str | os.PathLike") -> dict[str, Any]:
-        """A JSON config file's keys, not yet validated: a launcher merges its command-line values in
-        (the stage, say) before `load` validates the whole, so the file is judged as it will run."""
-        return _read_json(os.fspath(source))
+    def read(source: "dict | str | os.PathLike") -> dict[str, Any]:
+        """A config's keys (a JSON file's, or a copy of a dict's), not yet validated: a launcher merges
+        its command-line values in (the stage, say) before `load` validates the whole, so the config is
+        judged as it will run."""
+        return dict(source) if isinstance(source, dict) else _read_json(os.fspath(source))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":

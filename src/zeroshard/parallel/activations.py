@@ -13,11 +13,14 @@ interleaved with short-lived tensors (fragmentation).
 
 The checkpoint is reentrant (an autograd.Function whose backward runs a nested forward and
 backward), like torch.utils.checkpoint(use_reentrant=True); RNG state is restored for the
-recompute, so dropout draws the same mask. Kept chunks are saved with save_for_backward, so
-torch.autograd.graph.saved_tensors_hooks sees exactly what is kept.
+recompute, so dropout draws the same mask, and so is autocast (backward usually runs outside the
+forward's `torch.autocast` region: the recompute would otherwise run in another precision). Kept
+chunks are saved with save_for_backward, so torch.autograd.graph.saved_tensors_hooks sees exactly
+what is kept.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -98,7 +101,7 @@ class CheckpointStore:
             self._ahead[id(before)] = before.to(self.device, non_blocking=True)
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.where == "host" and torch.cuda.is_available()
+        pin = self.where == "host" and self.device.type == "cuda"  # (a CPU run on a GPU machine: no)
         place = torch.device("cpu") if self.where == "host" else self.device
         if not self.cfg.contiguous_memory_optimization:
             return torch.empty(numel, dtype=dtype, device=place, pin_memory=pin)
@@ -132,6 +135,9 @@ class _Checkpoint(torch.autograd.Function):
         ctx.run, ctx.store = run, store
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(store.device) if store.device.type == "cuda" else None
+        ctx.autocast = [(kind, torch.get_autocast_dtype(kind), torch.is_autocast_enabled(kind))
+                        for kind in dict.fromkeys([store.device.type, "cpu"])]
+        ctx.autocast_cache = torch.is_autocast_cache_enabled()
         with torch.no_grad():
             outputs = run(*tensors)
         # Inputs that carry gradient are the activations flowing through the blocks: those are
@@ -152,7 +158,10 @@ class _Checkpoint(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(s or t.requires_grad) if t.is_floating_point() else t
                   for t, s in zip(inputs, ctx.split)]
         devices = [ctx.store.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():  # ([]: the CPU generator only)
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                contextlib.ExitStack() as regions:  # ([]: the CPU generator only)
+            for kind, dtype, enabled in ctx.autocast:  # backward usually runs outside the forward's
+                regions.enter_context(torch.autocast(kind, dtype, enabled, ctx.autocast_cache))
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.store.device)
