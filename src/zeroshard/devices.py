@@ -61,8 +61,10 @@ def local_cuda_index() -> int:
 def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -> None:
     """Start the default process group if none exists: from torchrun's variables, else world size 1.
 
-    The timeout turns a rank that never arrives into an error instead of a hang."""
+    The timeout turns a rank that never arrives into an error instead of a hang. A group started
+    elsewhere (the script, accelerate under the HF Trainer) is kept, and released at exit too."""
     if dist.is_initialized():
+        _release_at_exit()
         return
     chosen = choose_backend(backend)
     timeout = timedelta(seconds=timeout_s)
@@ -72,7 +74,19 @@ def ensure_process_group(timeout_s: float = 600.0, backend: str | None = None) -
         dist.init_process_group(chosen, timeout=timeout)
     else:
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    atexit.register(_release_group)
+    _release_at_exit()
+
+
+_release_registered = False
+
+
+def _release_at_exit() -> None:
+    """Once per process: a gloo group alive at the interpreter's teardown can abort it (see
+    _release_group), whoever started the group."""
+    global _release_registered
+    if not _release_registered:
+        atexit.register(_release_group)
+        _release_registered = True
 
 
 RELEASE_WAIT_S = 15.0  # what a clean teardown takes is milliseconds
@@ -87,7 +101,7 @@ def abandon_group() -> None:
 
 
 def _release_group() -> None:
-    """At exit, the group zeroshard started is destroyed, unless the script did it already: a gloo
+    """At exit, the default group is destroyed, unless the script did it already: a gloo
     group left alive to the interpreter's teardown can abort the process there (std::terminate,
     seen on torch 2.13 once torch._dynamo has run).
 

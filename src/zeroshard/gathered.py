@@ -12,7 +12,9 @@ Invariants:
 - Without modifier_rank, or when the block raises, every rank's buffers are restored to what they
   were on entry: a change on one rank must never leave the ranks training different models. (So
   at stages 0-2 the block holds one more copy of the compute-dtype parameters.)
-- On exit stage 3 frees what it gathered; the next forward gathers the new values.
+- On exit stage 3 frees what it gathered; the next forward gathers the new values. A forward inside
+  gathers and frees nothing and is not recorded for prefetching, so one rank may run it alone
+  (DeepSpeed's "gather, then generate on rank 0").
 """
 from __future__ import annotations
 

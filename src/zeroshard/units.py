@@ -177,6 +177,8 @@ class Unit:
             f.prefetch()
 
     def free(self) -> None:
+        if self.edits_taken is not None:  # inside gathered_parameters(): a forward there (rank 0
+            return                        # generating alone, say) gathers and frees nothing
         for f in self.flats:
             f.free()
 
@@ -206,7 +208,9 @@ class Unit:
         unit, units = weakref.ref(self), weakref.ref(order)
 
         def pre_forward(module: nn.Module, args: object) -> None:
-            if unit() is not None and units() is not None:
+            # Inside gathered_parameters() a forward (perhaps on one rank alone) is not recorded:
+            # the record steers every rank's prefetching, which must stay alike.
+            if unit() is not None and units() is not None and unit().edits_taken is None:
                 units().before_forward(unit())
 
         def post_forward(module: nn.Module, args: object, output: object) -> None:

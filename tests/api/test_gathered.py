@@ -76,6 +76,9 @@ def _gathered(rank: int, world_size: int, stage: int, precision: str, offload: s
             assert torch.equal(after[name], torch.where(how(seen) != seen, how(seen).float(), value)), name
     if stage == 3:
         assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())  # freed again
+    with torch.no_grad(), engine.gathered_parameters():
+        if rank == 0:  # DeepSpeed's "gather, then generate on rank 0": no collective, so no hang
+            engine(batches(1, 2)[0][0])
     local = GLOBAL_BATCH // world_size
     for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
         mine = slice(rank * local, (rank + 1) * local)
@@ -123,10 +126,15 @@ def test_gathered_parameters_refusals(one_process_group, tmp_path):
         with engine.gathered_parameters(modifier_rank=[0]):
             pass
     x, _ = batches(1, 2)[0]
-    with pytest.raises(RuntimeError, match="a forward inside gathered_parameters"):
+    with torch.no_grad():
+        outside = engine(x)
         with engine.gathered_parameters(modifier_rank=0):
-            engine(x)
-    assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())
+            calls = engine.comm_stats()["total"]["all_gather"]["calls"]
+            inside = engine(x)  # on the gathered weights: no gather, nothing freed
+            assert engine.comm_stats()["total"]["all_gather"]["calls"] == calls
+            assert all(p.numel() > 0 for p in engine.module.parameters())
+    assert torch.equal(inside, outside)
+    assert all(p.numel() == 0 for p in engine.module.blocks[0].parameters())  # freed on exit
 
 
 @pytest.mark.parametrize("stage, extra, kept_elsewhere", [
