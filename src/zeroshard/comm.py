@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import weakref
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, ContextManager, Optional
@@ -242,6 +243,26 @@ class Comm(Bucketed):
 
 
 # ---- public helpers for training scripts (the app uses these, not torch.distributed) -------------
+_lent_watch: Callable[[], Optional[Watch]] = lambda: None  # the latest world engine's
+
+
+def lend_watch(comm: Comm) -> None:
+    """An engine over the whole world lends its watch to the helpers below: a helper some ranks
+    call while the others wait in the engine's collectives (a save on rank 0 only, then a logged
+    mean) is then named within seconds, as the engine's own calls are, not after the timeout."""
+    global _lent_watch
+    if comm.watch is not None and comm.tp_size == 1 and comm.world_size == dist.get_world_size():
+        _lent_watch = weakref.ref(comm.watch)
+
+
+def _helper_comm(group: dist.ProcessGroup | None) -> Comm:
+    comm = Comm(group)
+    watch = _lent_watch()
+    if group is None and watch is not None and watch.world_size == comm.world_size:
+        comm.watch = watch
+    return comm
+
+
 def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """This process's rank and the number of ranks in `group` (default: the world). Before any
     group has started, the world's as torchrun announces it (RANK, WORLD_SIZE), else (0, 1): a
@@ -265,7 +286,7 @@ def mean_over_ranks(value: torch.Tensor | float, group: dist.ProcessGroup | None
     """Collective: the mean over ranks of a scalar (a loss to log), every rank gets it."""
     if not _started(group, "mean_over_ranks()"):
         return float(torch.as_tensor(value, dtype=torch.float32))
-    comm = Comm(group)
+    comm = _helper_comm(group)
     total = torch.as_tensor(value, dtype=torch.float32).detach().reshape(()).to(comm.device, copy=True)
     comm.all_reduce(total)
     return total.item() / comm.world_size
@@ -275,4 +296,4 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[
     """Collective: a small picklable object from every rank, in rank order, on every rank."""
     if not _started(group, "gather_objects()"):
         return [obj]
-    return Comm(group).all_gather_objects(obj)
+    return _helper_comm(group).all_gather_objects(obj)

@@ -19,7 +19,7 @@ from torch import nn
 
 from . import nvme
 from .checks import check_model, check_module_type, verify_same_on_every_rank
-from .comm import Comm
+from .comm import Comm, lend_watch
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
@@ -71,6 +71,7 @@ class Engine(EngineState, EngineCompat):
         comm.watch = Watch(comm.rank, comm.world_size, config.collective_timeout, config.check_collectives,
                            on_cuda=comm.device.type == "cuda",  # from the first collective on
                            space=f"tp{comm.tp_rank}/" if comm.tp_size > 1 else "")
+        lend_watch(comm)  # zeroshard.mean_over_ranks and gather_objects are watched with it
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)

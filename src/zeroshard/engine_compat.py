@@ -87,12 +87,16 @@ class EngineCompat:
         return self.config.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int | None:
-        """As configured (None if the config does not say)."""
-        return self.config.train_micro_batch_size_per_gpu
+        """As configured, or as train_batch_size implies it (None if the config gives neither)."""
+        micro, total = self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size
+        if micro is None and total is not None:
+            micro = total // (self.gradient_accumulation_steps() * self.world_size)
+        return micro
 
     def train_batch_size(self) -> int | None:
-        """Samples per optimizer step over every data-parallel rank (None without a micro-batch size)."""
-        micro = self.config.train_micro_batch_size_per_gpu
+        """Samples per optimizer step over every data-parallel rank (None if the config gives no
+        batch size)."""
+        micro = self.train_micro_batch_size_per_gpu()
         return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
 
     def was_step_applied(self) -> bool:

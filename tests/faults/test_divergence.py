@@ -47,7 +47,7 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _train(engine, rank: int, fault: str, steps: int = 4) -> None:
+def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(steps):
         x = torch.randint(0, 37, (2, 8), generator=g)
@@ -59,6 +59,10 @@ def _train(engine, rank: int, fault: str, steps: int = 4) -> None:
         if fault == "step_alone" and rank == 1 and step == 2:
             continue  # rank 0 steps alone
         engine.step()
+        if fault == "save_alone":  # DDP's habit: rank 0 saves, then every rank logs the mean loss
+            if rank == 0 and step == 2:
+                engine.save_checkpoint(os.path.join(directory, "ckpt"))
+            zeroshard.mean_over_ranks(loss_fn(engine(x), x).detach())
 
 
 def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str, timeout: float) -> None:
@@ -72,7 +76,7 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
     try:
-        _train(engine, rank, fault)
+        _train(engine, rank, fault, directory=out)
         result["store"] = engine.comm_stats()["store"]
     except Exception as e:  # noqa: BLE001 - reported to the test, which judges the type
         result = {"error": type(e).__name__, "message": str(e) or traceback.format_exc()}
@@ -134,10 +138,12 @@ def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:
     assert all(r["store"]["bytes"] > 0 for r in results), results
 
 
-@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "step_alone")])
+@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "step_alone"), (2, "save_alone")])
 def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str) -> None:
     """Stalled ranks compare how far they got through the store: a unit skipped in forward at stage 3
-    (no check runs there) is named in seconds, not after collective_timeout."""
+    (no check runs there), or a save on rank 0 alone while the other logs through
+    zeroshard.mean_over_ranks (which the engine's watch covers), is named in seconds, not after
+    collective_timeout."""
     results = _drill(stage, fault, str(tmp_path), timeout=PATIENT)
     for rank, result in enumerate(results):
         assert result["error"] == "DivergenceError", result

@@ -268,6 +268,9 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     engine = zeroshard.initialize(nn.Linear(4, 4), _sgd, {"gradient_accumulation_steps": 2,
                                                           "train_micro_batch_size_per_gpu": 3})
     assert engine.train_batch_size() == 6
+    total_only = zeroshard.initialize(nn.Linear(4, 4), _sgd, {"train_batch_size": 8,
+                                                              "gradient_accumulation_steps": 2})
+    assert (total_only.train_batch_size(), total_only.train_micro_batch_size_per_gpu()) == (8, 4)
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
     assert not engine.was_step_applied()  # within the accumulation cycle
