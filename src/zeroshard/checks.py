@@ -87,7 +87,22 @@ def _signature(module: nn.Module, config: Config, world_size: int) -> list[str]:
 
 def verify_same_on_every_rank(comm: Comm, module: nn.Module, config: Config) -> None:
     """Refuse to start if ranks disagree on the model or config (they would hang or corrupt)."""
-    signature = _signature(module, config, comm.world_size)
+    _agree(comm, _signature(module, config, comm.world_size), "the model or config",
+           "Build the same model with the same config on every rank.")
+
+
+def verify_same_optimizer(comm: Comm, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to start if ranks built the optimizer differently: each would update its shard with its
+    own learning rate (say), silently; at stage 0 the replicas would drift apart."""
+    signature = [f"optimizer {type(optimizer).__name__}"] + [
+        f"param group {i}: {key}={value.tolist() if isinstance(value, torch.Tensor) else value!r}"
+        for i, group in enumerate(optimizer.param_groups) for key, value in sorted(group.items())
+        if key != "params"]
+    _agree(comm, signature, "the optimizer", "Build it with the same options on every rank.")
+
+
+def _agree(comm: Comm, signature: list[str], what: str, fix: str) -> None:
+    """Collective: raise ModelMismatchError naming the first entry where a rank differs from rank 0."""
     digest = hashlib.sha256("\n".join(signature).encode()).hexdigest()
     digests = comm.all_gather_objects(digest)
     if len(set(digests)) == 1:
@@ -98,5 +113,4 @@ def verify_same_on_every_rank(comm: Comm, module: nn.Module, config: Config) -> 
     diff = next(((a, b) for a, b in zip(ours, theirs) if a != b), None)
     detail = (f"rank 0 has '{diff[0]}', rank {rank} has '{diff[1]}'" if diff else
               f"rank 0 has {len(ours)} entries, rank {rank} has {len(theirs)}")
-    raise ModelMismatchError(f"ranks disagree on the model or config: {detail}. Build the same model "
-                             f"with the same config on every rank.")
+    raise ModelMismatchError(f"ranks disagree on {what}: {detail}. {fix}")

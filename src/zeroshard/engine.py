@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import nvme
-from .checks import check_model, check_module_type, verify_same_on_every_rank
+from .checks import check_model, check_module_type, verify_same_on_every_rank, verify_same_optimizer
 from .comm import Comm, lend_watch
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
@@ -103,6 +103,7 @@ class Engine(EngineState, EngineCompat):
         home = torch.device("cpu") if config.zero.offload_optimizer else comm.device  # where shards live
         stand_ins = [{"params": [nn.Parameter(torch.zeros(1, device=home))], **o} for o in options]
         probe = build_optimizer(optimizer, config, stand_ins, guarded=False)
+        verify_same_optimizer(comm, probe)  # each rank would update its shard with its own options
         if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
             self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)
         lr_scheduler = scheduler_factory(lr_scheduler, config.scheduler)

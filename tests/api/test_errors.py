@@ -92,13 +92,17 @@ def _mismatch(rank: int, world_size: int, what: str) -> None:
     torch.manual_seed(0)
     model = TinyGPT(d=16 if rank == 0 or what != "model" else 20)
     stage = 2 if rank == 0 or what != "config" else 3
+    lr = 1e-2 if rank == 0 or what != "optimizer" else 1e-1  # each shard stepped with its own: silent
     with pytest.raises(zeroshard.ModelMismatchError) as err:
-        zeroshard.initialize(model, _adam, {"zero_optimization": {"stage": stage}})
-    expected = "parameter pos (8, 16)" if what == "model" else '"stage": 2'
+        zeroshard.initialize(model, lambda p: torch.optim.Adam(p, lr=lr),
+                             {"zero_optimization": {"stage": stage}})
+    expected = {"model": "parameter pos (8, 16)", "config": '"stage": 2',
+                "optimizer": "ranks disagree on the optimizer: rank 0 has 'param group 0: lr=0.01', "
+                             "rank 1 has 'param group 0: lr=0.1'"}[what]
     assert "rank 1" in str(err.value) and expected in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("what", ["model", "config"])
+@pytest.mark.parametrize("what", ["model", "config", "optimizer"])
 def test_mismatched_ranks_are_refused_on_every_rank(what):
     spawn(_mismatch, 2, what)
 
