@@ -190,7 +190,6 @@ class GradientReducer:
         self._reducing = None
         self._in_engine_backward = False
 
-
     def _reduce_again(self) -> None:
         """Gradients that arrived after their buffer was reduced in this same backward are reduced
         and added now, buffer by buffer in the fixed order. That happens under reentrant activation
