@@ -89,9 +89,6 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
 
 
 def _take_changes(flats: list[FlatParam], seen: list, comm: Comm, modifier_rank: int) -> None:
-    if any(f.state is not ParamState.GATHERED for f in flats):  # alike on every rank: the same calls
-        raise RuntimeError("a forward inside gathered_parameters() freed the parameters it gathered, so "
-                           "their changes are lost: run forward outside the block")
     with torch.no_grad(), comm.outside_step():
         for flat, before in zip(flats, seen):
             comm.broadcast(flat.full, modifier_rank)
