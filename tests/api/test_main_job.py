@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers.cli import zeroshard_here
 
 
@@ -80,6 +81,26 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     done = zeroshard_here("train", "--device", "cpu", *common, "--batch-size", "8")
     assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
         in done.stderr, done.stderr
+    # --lr wins over the learning rate a resumed optimizer brings back: at 0, the resumed steps leave
+    # the weights where the checkpoint had them.
+    checkpoints = str(tmp_path / "a" / "checkpoints")
+    zeroshard_here("consolidate", checkpoints, str(tmp_path / "at2.pt"))
+    out = zeroshard("train", *common, "--steps", "4", "--resume", "--lr", "0",
+                    "--out", str(tmp_path / "a")).stdout
+    assert "--lr 0 replaces the learning rate the checkpoint's optimizer was saved with (0.1)" in out, out
+    zeroshard_here("consolidate", checkpoints, str(tmp_path / "at4.pt"))
+    before, after = (torch.load(tmp_path / name) for name in ("at2.pt", "at4.pt"))
+    assert len(_train_losses(str(tmp_path / "a"))) == 4 and before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_lr_beside_a_scheduler_is_refused(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}))
+    for command in ("train", "compare"):
+        done = zeroshard_here(command, "--device", "cpu", "--config", str(config), "--lr", "0.01")
+        assert done.returncode == 2 and "--lr 0.01: the config's \"scheduler\" section (WarmupLR) sets the " \
+            "learning rate at every step, so --lr would be ignored" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("keys, cli_stage, stage", [

@@ -352,27 +352,39 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
     ref_model, ref_losses = reference_run(lambda: (torch.manual_seed(0), TinyGPT())[1], _sgd, 3, 4)
     for flavour in ("non-reentrant", "reentrant", "zeroshard"):
         for stage in (0, 1, 2, 3):
-            torch.manual_seed(0)
             config = {"zero_optimization": {"stage": stage}}
             if flavour == "zeroshard":  # every Block a unit, so `twice` is checkpointed at each call
                 config.update(activation_checkpointing={}, zeroshard={"unit_modules": ["Block"]})
-            engine = zeroshard.initialize(TinyGPT(checkpointing=None if flavour == "zeroshard" else flavour),
-                                          _sgd, config)
-            losses = []
-            for step, (x, y) in enumerate(batches(3, 4)):
-                mine = slice(2 * rank, 2 * rank + 2)
-                loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
-                engine.backward(loss)
-                engine.step()
-                torch.distributed.all_reduce(loss := loss.detach())
-                losses.append(loss.item() / world_size)
+            engine, losses = _train_tiny_gpt(rank, world_size, None if flavour == "zeroshard" else flavour,
+                                             config)
             what = f"activation checkpointing ({flavour}) at stage {stage}"
             if stage == 3 and flavour != "zeroshard":  # the recompute reuses the unit gathered for backward
                 everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
                 root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
                 assert engine.comm_stats()["last_step"]["all_gather"]["bytes"] == 2 * everything - root, what
+            elif stage == 3:  # each recompute runs a unit's forward hooks: it must gather nothing more
+                plain = {k: v for k, v in config.items() if k != "activation_checkpointing"}
+                gathered = [e.comm_stats()["total"]["all_gather"]["bytes"]
+                            for e in (engine, _train_tiny_gpt(rank, world_size, None, plain)[0])]
+                assert gathered[0] == gathered[1], f"{what}: gathered {gathered}, checkpointed and not"
             close(losses, ref_losses, rtol=1e-5, atol=1e-6, what=f"{what}: losses")
             assert_weights_match(engine, ref_model.state_dict(), 1e-5, 1e-6, f"{what}:")
+
+
+def _train_tiny_gpt(rank: int, world_size: int, checkpointing: str | None,
+                    config: dict) -> tuple[zeroshard.Engine, list[float]]:
+    """Three steps of TinyGPT from seed 0 (each rank its two samples); the mean loss of each."""
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(checkpointing=checkpointing), _sgd, config)
+    losses = []
+    for step, (x, y) in enumerate(batches(3, 4)):
+        mine = slice(2 * rank, 2 * rank + 2)
+        loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
+        engine.backward(loss)
+        engine.step()
+        torch.distributed.all_reduce(loss := loss.detach())
+        losses.append(loss.item() / world_size)
+    return engine, losses
 
 
 def test_activation_checkpointing_at_every_stage():

@@ -50,6 +50,10 @@ def defaults_from_config(args: argparse.Namespace) -> None:
             raise ValueError(f"--config at stage {stage} (of --stages): {e}; leave stage {stage} out of "
                              f"--stages, or change the config") from None
     config = zeroshard.Config.load(_at_stage(raw, getattr(args, "stage", None)))  # as train runs it
+    if getattr(args, "lr", None) is not None and config.scheduler is not None:
+        raise ValueError(f"--lr {args.lr}: the config's \"scheduler\" section ({config.scheduler.type}) sets "
+                         f"the learning rate at every step, so --lr would be ignored; set the peak in that "
+                         f"section (e.g. warmup_max_lr), or drop --lr")
     if args.precision is None:
         args.precision = config.precision  # fp32 unless a bf16 or fp16 section enables it
     dp = args.nproc // getattr(args, "tp", 1)

@@ -146,20 +146,33 @@ def _decide(checkpoints: str, out: str, run_id: str, explicit: bool) -> Any:
     return decision
 
 
-def resume(engine, checkpoints: str, out: str, run_id: str, explicit: bool) -> tuple[list[float], Resumed]:
+def resume(engine, checkpoints: str, out: str, run_id: str, explicit: bool,
+           lr: float | None = None) -> tuple[list[float], Resumed]:
     """Collective. Load this run's latest checkpoint on a restart (any run's with --resume); returns
-    the loss history so far and what was resumed."""
+    the loss history so far and what was resumed. An `lr` (--lr) wins over the one the checkpoint's
+    optimizer brings back, as it wins over the config's (options.py refuses it beside a scheduler)."""
     resumed = Resumed(restarts=restart_count())
     if not (explicit or resumed.restarts):
         return [], resumed
     path, progress = _decide(checkpoints, out, run_id, explicit)
     history = engine.load_checkpoint(path)[1]["losses"] if path else []
     resumed.step, resumed.path = len(history), path
+    if path and lr is not None:
+        _set_lr(engine, lr)
     if progress is not None and resumed.restarts:
         resumed.steps_lost, resumed.failed_at = progress["step"] - resumed.step, progress["time"]
     if zeroshard.rank_and_world_size()[0] == 0:
         print(describe(resumed, checkpoints), flush=True)
     return history, resumed
+
+
+def _set_lr(engine, lr: float) -> None:
+    before = {group["lr"] for group in engine.optimizer.param_groups}
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    if zeroshard.rank_and_world_size()[0] == 0 and before != {lr}:
+        print(f"--lr {lr:g} replaces the learning rate the checkpoint's optimizer was saved with "
+              f"({', '.join(f'{x:g}' for x in sorted(before))})", flush=True)
 
 
 def describe(resumed: Resumed, checkpoints: str) -> str:

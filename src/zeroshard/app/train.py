@@ -198,7 +198,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     dp_rank, dp = data_rank(engine)
     data = Batches(load_corpus(args.data or None), args.seq_len)
     checkpoints = checkpoints_of(args.out)
-    history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume)
+    history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume, lr=args.lr)
     progress = _progress(args, rank, initial=len(history))
     times, tokens = [], 0
     kill, track = drill_target(), args.max_restarts > 0 and rank == 0
