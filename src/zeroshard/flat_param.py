@@ -243,6 +243,9 @@ class FlatParam(FlatGrad):
         (A gather staged through several buckets completes here, unless deferred: in flight
         together, their buckets would add up to a second copy of the parameters.)"""
         updated = self.shard if self.policy.shard_optimizer else self.full
+        # The values change under every parameter's feet (they view `full`, or are placeholders):
+        # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
+        torch.autograd.graph.increment_version(self.params)
         with torch.no_grad():
             if self.master is not updated and self.host is not None and not self.shard_on_host:
                 self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously

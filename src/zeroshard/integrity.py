@@ -9,7 +9,8 @@ Invariants:
   recorded size and checksum and no DCP file is unlisted. Otherwise: a CheckpointError naming each
   damaged file and what is wrong and, when the checkpoint was reached through a parent's `latest`,
   the newest sibling that does verify, offered by path and never loaded in its place. A
-  checkpoint from before manifests has nothing to verify: it loads after one warning.
+  checkpoint without its manifest is refused like a damaged one: the manifest was lost (deleted,
+  or left behind by a copy), and without it nothing tells an intact checkpoint from an altered one.
 - The metadata is checked after the files (checkpoint_meta.py).
 - A collective check (given a Comm) ends alike on every rank: each rank checks its share, the
   verdicts are all-gathered, and every rank raises the same error or none. No rank waits alone.
@@ -17,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import zlib
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 MANIFEST = "checksums.json"
 METADATA = ".metadata"  # DCP's index of the stored items
 _CHUNK = 4 << 20
-logger = logging.getLogger("zeroshard")
-_warned: set[str] = set()  # checkpoints without a manifest already warned about (once each)
 
 
 class CheckpointError(RuntimeError):
@@ -91,7 +89,7 @@ def agree(comm: Comm | None, error: str | None) -> None:
 
 
 def read_manifest(directory: str) -> dict[str, dict[str, Any]] | None:
-    """The manifest's files ({name: {size, crc32}}), None for a checkpoint written without one."""
+    """The manifest's files ({name: {size, crc32}}), None where there is no manifest."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -126,43 +124,41 @@ def _check_file(directory: str, name: str, expected: dict[str, Any]) -> str | No
     return None
 
 
-def _share_problems(directory: str, rank: int, world_size: int) -> tuple[list[str], bool]:
-    """This rank's share of the check (files split by index): (what is wrong, whether unverifiable
-    because written without a manifest). Rank 0 also looks for DCP files the manifest does not list."""
+def _share_problems(directory: str, rank: int, world_size: int) -> list[str]:
+    """This rank's share of the check (files split by index): what is wrong. Rank 0 also looks for
+    DCP files the manifest does not list."""
     try:
         files = read_manifest(directory)
         present = sorted(n for n in os.listdir(directory) if _is_dcp_file(n)) if rank == 0 else []
     except (CheckpointError, OSError) as e:
-        return [str(e)], False
+        return [str(e)]
     missing = [f"'{METADATA}' is missing"] if rank == 0 and METADATA not in present else []
     if files is None:
-        return missing, True
+        return missing + [f"'{MANIFEST}' is missing (every checkpoint zeroshard commits holds one: it was "
+                          f"deleted, or not copied with the checkpoint); without it the files cannot be "
+                          f"verified"]
     names = sorted(files)
     found = [p for n in names[rank::world_size] if (p := _check_file(directory, n, files[n]))]
     found += [f"'{n}' is not in the manifest" for n in present if n not in files]
-    return found + (missing if METADATA not in files else []), False
+    return found + (missing if METADATA not in files else [])
 
 
-def _problems(directory: str, comm: Comm | None) -> tuple[list[str], bool]:
+def _problems(directory: str, comm: Comm | None) -> list[str]:
     """Every rank's share of the check, gathered: the same answer on every rank."""
     if comm is None:
         return _share_problems(directory, 0, 1)
     views = comm.all_gather_objects(_share_problems(directory, comm.rank, comm.world_size))
-    return sorted({p for found, _ in views for p in found}), views[0][1]
+    return sorted({p for found in views for p in found})
 
 
 def verify(directory: str, comm: Comm | None = None, parent: str | None = None) -> None:
     """Raise CheckpointError naming every damaged file (collective with a Comm); `parent`: the
     directory whose `latest` named this one, where a complete sibling is looked for."""
-    problems, unverifiable = _problems(directory, comm)
+    problems = _problems(directory, comm)
     if problems:
         listed = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
         raise CheckpointError(f"cannot read checkpoint '{directory}', it is damaged: {listed}"
                               + offer(parent, directory, comm))
-    if unverifiable and (comm is None or comm.rank == 0) and directory not in _warned:
-        _warned.add(directory)
-        logger.warning("checkpoint '%s' has no '%s' (written before checksums): loading it unverified",
-                       directory, MANIFEST)
 
 
 def offer(parent: str | None, broken: str, comm: Comm | None = None) -> str:
@@ -177,8 +173,8 @@ def offer(parent: str | None, broken: str, comm: Comm | None = None) -> str:
 
 
 def newest_complete(parent: str, exclude: str, comm: Comm | None = None) -> str | None:
-    """The most recently written checkpoint under `parent`, other than `exclude`, whose files verify
-    (or that has no manifest to verify). Temporary (".x.tmp") and replaced (".old") ones are skipped."""
+    """The most recently written checkpoint under `parent`, other than `exclude`, whose files
+    verify. Temporary (".x.tmp") and replaced (".old") ones are skipped."""
     candidates = []
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
@@ -190,7 +186,7 @@ def newest_complete(parent: str, exclude: str, comm: Comm | None = None) -> str 
     paths = [path for *_, path in sorted(candidates, reverse=True)]
     if comm is not None:  # rank 0's list: every rank then checks the same checkpoints in the same order
         paths = comm.all_gather_objects(paths)[0]
-    return next((path for path in paths if not _problems(path, comm)[0]), None)
+    return next((path for path in paths if not _problems(path, comm)), None)
 
 
 def _natural(name: str) -> list[Any]:

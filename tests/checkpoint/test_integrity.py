@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import shutil
 from unittest import mock
@@ -108,9 +107,10 @@ def saved(tmp_path_factory) -> str:
     for case, (name, damage, _) in DAMAGE.items():
         shutil.copytree(root / "good", root / case)
         damage(str(root / case / "step2" / name))
-    shutil.copytree(root / "good", root / "legacy")  # as written before checksums
+    shutil.copytree(root / "good", root / "no manifest")  # copied without its manifests, then altered
     for tag in ("step1", "step2"):
-        os.remove(root / "legacy" / tag / integrity.MANIFEST)
+        os.remove(root / "no manifest" / tag / integrity.MANIFEST)
+    DAMAGE["flipped"][1](str(root / "no manifest" / "step2" / DAMAGE["flipped"][0]))
     return str(root)
 
 
@@ -132,7 +132,10 @@ def _load_checks(rank: int, world_size: int, root: str) -> None:
     with pytest.raises(TypeError, match="missing_ok is keyword-only"):  # the old positional flag
         engine.load_checkpoint(missing, True)
     assert _same(_snapshot(engine), before)  # nothing above changed anything
-    engine.load_checkpoint(os.path.join(root, "legacy"))  # no manifest: loads, unverified
+    with pytest.raises(zeroshard.CheckpointError, match="'checksums.json' is missing .*cannot be verified; "
+                       "there is no other complete checkpoint"):
+        engine.load_checkpoint(os.path.join(root, "no manifest"))  # refused, though DCP would read it
+    assert _same(_snapshot(engine), before)
     path, _ = engine.load_checkpoint(os.path.join(root, "good"), "step1")  # DeepSpeed's tag, not latest
     assert path == os.path.join(root, "good", "step1") and engine.global_steps == 1
     assert engine.load_checkpoint(os.path.join(root, "good"))[0] == os.path.join(root, "good", "step2")
@@ -149,7 +152,7 @@ def test_damage_is_named_on_every_rank_and_changes_nothing(saved):
     spawn(_load_checks, 2, saved)
 
 
-def test_checkpoint_info_and_consolidate_verify_too(saved, caplog):
+def test_checkpoint_info_and_consolidate_verify_too(saved):
     good = zeroshard.checkpoint_info(os.path.join(saved, "good"))
     assert good["tag"] == "step2" and good["global_steps"] == 2 and good["world_size"] == 2
     assert zeroshard.checkpoint_info(os.path.join(saved, "never_saved"), missing_ok=True) is None
@@ -164,10 +167,9 @@ def test_checkpoint_info_and_consolidate_verify_too(saved, caplog):
     expected = torch.load(os.path.join(saved, "state_at_step2.pt"))
     weights = zeroshard.consolidate(os.path.join(saved, "good"))
     assert all(torch.equal(weights[k], v) for k, v in expected.items())
-    with caplog.at_level(logging.WARNING, logger="zeroshard"):
-        for read in (zeroshard.checkpoint_info, zeroshard.consolidate):  # no manifest: read, unverified
-            read(os.path.join(saved, "legacy"))
-    assert len([m for m in caplog.messages if "written before checksums" in m]) == 1  # warned once
+    for read in (zeroshard.checkpoint_info, zeroshard.consolidate):  # no manifest: nothing is read
+        with pytest.raises(zeroshard.CheckpointError, match="'checksums.json' is missing"):
+            read(os.path.join(saved, "no manifest"))
 
 
 def test_the_newest_complete_checkpoint_is_offered(saved, tmp_path):

@@ -143,6 +143,14 @@ def test_deferred_model_is_refused_where_it_has_no_data():
     with pytest.raises(DeferredValueError, match="not supported"):
         with zeroshard.init():
             torch.empty(3).resize_(5)
+    # A meta tensor is built to be loaded into (from_pretrained builds on meta): refused by name.
+    refused = "asks for a tensor on the meta device under zeroshard.init.*from_pretrained"
+    with pytest.raises(DeferredValueError, match=refused):
+        with zeroshard.init():
+            nn.Linear(4, 4, device="meta")
+    with pytest.raises(DeferredValueError, match=refused):
+        with zeroshard.init(), torch.device("meta"):
+            nn.Linear(4, 4)
 
 
 def _model(seed: int, deferred: bool, layers: int = 2, d: int = 16) -> TinyGPT:

@@ -213,6 +213,28 @@ def test_engine_lifecycle_and_checkpoint_edges(tmp_path):
     assert weights["empty"].shape == (0,) and "frozen.weight" in weights
 
 
+def test_a_loss_from_before_the_step_is_refused_as_torch_refuses_it():
+    spawn(_stale_graph, 2)
+
+
+def _stale_graph(rank: int, world_size: int) -> None:
+    """A forward, then a step that updates the weights, then backward of that forward's loss: its
+    gradients would be taken at the old weights. Plain torch refuses it (a saved tensor modified
+    in place), and so does every stage, in fp32 and bf16."""
+    x, y = next(iter(batches(1, 2 * world_size)))
+    mine = slice(2 * rank, 2 * rank + 2)
+    for stage in (0, 1, 2, 3):
+        for bf16 in (False, True):
+            torch.manual_seed(0)
+            config = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16}}
+            engine = zeroshard.initialize(TinyGPT(), _sgd, config)
+            stale = loss_fn(engine(x[mine]), y[mine])
+            engine.backward(loss_fn(engine(x[mine]), y[mine]))
+            engine.step()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                engine.backward(stale)
+
+
 def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     model = nn.Linear(4, 4)
     with pytest.raises(TypeError, match="scheduler instance was built over another optimizer"):

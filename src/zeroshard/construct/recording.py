@@ -31,6 +31,13 @@ _OVERWRITING_RANDOM = {"uniform_", "normal_", "random_", "exponential_", "cauchy
 _READS_VALUES = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,
                  aten.allclose.default}
 _UNSUPPORTED = {aten.set_, aten.resize_, aten.resize_as_}  # change which memory a tensor uses
+# A meta tensor has no initializer to replay: it is built to be filled by loading (from_pretrained
+# builds on meta, then loads the checkpoint into it), which a deferred tensor cannot take.
+_META_REFUSED = ("{func} asks for a tensor on the meta device under zeroshard.init() (a torch.device("
+                 "'meta') context, accelerate's init_empty_weights, or transformers' from_pretrained, which "
+                 "builds on meta and then loads the checkpoint). zeroshard.init() defers a model's own "
+                 "initialization and cannot load pretrained weights: build this model without "
+                 "zeroshard.init() (e.g. from_pretrained), then zeroshard.initialize() shards it")
 
 
 
@@ -87,6 +94,8 @@ class Recording(TorchDispatchMode):
         device = kwargs.get("device") or default_device
         if device is not None:  # a factory: its output stands for a tensor on `device`
             device = torch.device(device)
+            if device.type == "meta":
+                raise DeferredValueError(_META_REFUSED.format(func=func))
         else:
             device = next(a.deferred_device for a in tree_flatten((args, kwargs))[0]
                           if isinstance(a, DeferredTensor))
