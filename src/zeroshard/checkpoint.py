@@ -74,10 +74,17 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
          buffers: dict[str, torch.Tensor], extra: dict[str, Any]) -> str:
     """Collective. Returns the path of the committed checkpoint."""
     final, tmp = os.path.join(directory, tag), os.path.join(directory, f".{tag}.tmp")
+    made = None
     if comm.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an interrupted save
-    comm.barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an interrupted save
+        except OSError as e:
+            made = f"cannot save a checkpoint into '{directory}': {e}"
+    integrity.agree(comm, made)  # every rank raises the error (none is left waiting for rank 0)
+    writable = os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK)
+    integrity.agree(comm, None if writable else f"rank {comm.rank} cannot write into '{directory}' (rank 0 "
+                    f"made it): every rank must save into one directory that all of them can reach")
     state: dict[str, Any] = {f"rng/{comm.rank}": torch.get_rng_state()}
     if comm.device.type == "cuda":  # dropout on the GPU draws from the GPU's generator
         state[f"rng_cuda/{comm.rank}"] = torch.cuda.get_rng_state(comm.device)

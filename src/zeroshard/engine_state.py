@@ -17,6 +17,7 @@ from torch import nn
 
 from . import checkpoint, checkpoint_load, gathered, memory, nvme
 from .comm import Comm
+from .integrity import CheckpointError
 from .parallel.dtensor import full_tensor
 
 logger = logging.getLogger("zeroshard")
@@ -59,6 +60,25 @@ class EngineState:
             self._world_comm = Comm(None)
         return self._world_comm
 
+    def _resolve_alike(self, target: str, missing_ok: bool) -> str | None:
+        """checkpoint.resolve, agreed: every rank finds the same checkpoint (or none, or the same
+        error). Where they differ (node-local disks), none goes on alone to load, or to start afresh
+        while the others load: every rank raises an error naming what each found."""
+        try:
+            mine: tuple[str, str | None] = ("found", checkpoint.resolve(target, missing_ok))
+        except CheckpointError as e:
+            mine = ("error", str(e))
+        views = self._checkpoint_comm.all_gather_objects(mine)
+        if any(view != views[0] for view in views):
+            seen = "; ".join(f"rank {r}: " + (f"'{found}'" if kind == "found" and found else
+                                              "nothing (missing_ok)" if kind == "found" else found)
+                             for r, (kind, found) in enumerate(views))
+            raise CheckpointError(f"the ranks find different checkpoints at '{target}' ({seen}): every rank "
+                                  f"must load from one directory that all of them can reach")
+        if views[0][0] == "error":
+            raise CheckpointError(views[0][1])
+        return views[0][1]
+
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, *,
@@ -83,7 +103,7 @@ class EngineState:
                              "checkpoint of another model is refused by name); to load part of a model, "
                              "load its state_dict into the model before zeroshard.initialize()")
         target = load_dir if tag is None else os.path.join(load_dir, tag)
-        path = checkpoint.resolve(target, missing_ok)
+        path = self._resolve_alike(target, missing_ok)
         if path is None:
             logger.info("no checkpoint in '%s': starting from the model's own values", target)
             return None, None

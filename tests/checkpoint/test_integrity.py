@@ -152,6 +152,30 @@ def test_damage_is_named_on_every_rank_and_changes_nothing(saved):
     spawn(_load_checks, 2, saved)
 
 
+def test_ranks_that_see_different_directories_are_told_so(saved, tmp_path):
+    spawn(_apart, 2, saved, str(tmp_path))
+
+
+def _apart(rank: int, world_size: int, root: str, scratch: str) -> None:
+    """Node-local disks: a checkpoint only rank 0 can see. No rank loads it alone, or starts afresh
+    while the others load (missing_ok): every rank names what each found. A save into a path rank 0
+    cannot create fails on every rank, none left waiting for it."""
+    engine = _engine(2, seed=1234)
+    before = _snapshot(engine)
+    mine = os.path.join(root, "good") if rank == 0 else os.path.join(scratch, "elsewhere")
+    found = os.path.join(root, "good", "step2")
+    with pytest.raises(zeroshard.CheckpointError, match=f"the ranks find different checkpoints at .*rank 0: "
+                                                        f"'{found}'; rank 1: nothing \\(missing_ok\\)"):
+        engine.load_checkpoint(mine, missing_ok=True)
+    with pytest.raises(zeroshard.CheckpointError, match="rank 1: checkpoint path '.*elsewhere' does not"):
+        engine.load_checkpoint(mine)
+    assert _same(_snapshot(engine), before)
+    a_file = os.path.join(scratch, "a_file")
+    open(a_file, "w").close()
+    with pytest.raises(zeroshard.CheckpointError, match="cannot save a checkpoint into '.*a_file': .*exists"):
+        engine.save_checkpoint(a_file)
+
+
 def test_checkpoint_info_and_consolidate_verify_too(saved):
     good = zeroshard.checkpoint_info(os.path.join(saved, "good"))
     assert good["tag"] == "step2" and good["global_steps"] == 2 and good["world_size"] == 2
