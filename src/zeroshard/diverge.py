@@ -260,4 +260,10 @@ def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock
         return ("Likely cause: a unit run on some ranks only (a data-dependent branch in forward that skips "
                 "or repeats a block). At stage 3 every rank must run the same units; keep the branch "
                 "identical on all ranks or move it outside the sharded units.")
+    kinds = {fp.kind for fp in calls.values() if fp is not None}
+    if "all_gather" in kinds and len(kinds) > 1 and all(s.phase == "backward" for s in seen.values()):
+        return ("Likely cause: a unit whose output reaches the loss on some ranks only (an auxiliary head, "
+                "a loss term added when the batch has its labels): at stage 3 a unit is gathered for "
+                "backward where its output gets a gradient. Let it reach the loss on every rank, e.g. "
+                "loss = loss + 0.0 * aux.sum() where the term is absent.")
     return "Likely cause: ranks built different models or configs (same call, different size or dtype)."

@@ -40,11 +40,26 @@ class Stack(nn.Module):
         self.head = nn.Linear(d, 37)
 
     def forward(self, idx: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        return self.head(self.features(idx, skip))
+
+    def features(self, idx: torch.Tensor, skip: int | None = None) -> torch.Tensor:
         x = self.tok(idx)
         for i, block in enumerate(self.blocks):
             if i != skip:
                 x = block(x)
-        return self.head(x)
+        return x
+
+
+class AuxStack(Stack):
+    """With an auxiliary head, a unit of its own, run on every rank."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__(d)
+        self.aux = nn.ModuleList([nn.Linear(d, 37)])
+
+    def forward(self, idx: torch.Tensor, skip: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.features(idx, skip)
+        return self.head(x), self.aux[0](x)
 
 
 def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -> None:
@@ -53,6 +68,11 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
         x = torch.randint(0, 37, (2, 8), generator=g)
         faulty = rank == 1 and step == 2
         skip = 1 if fault == "skip_unit" and faulty else None
+        if fault == "aux_alone":  # every rank runs the auxiliary head; its loss counts on rank 0 only
+            out, aux = engine(x)
+            engine.backward(loss_fn(out, x) + (loss_fn(aux, x) if rank == 0 else 0.0))
+            engine.step()
+            continue
         engine.backward(loss_fn(engine(x, skip=skip), x))
         if fault == "backward_twice" and faulty:
             engine.backward(loss_fn(engine(x), x))
@@ -72,7 +92,8 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     torch.manual_seed(0)
     config = {"zero_optimization": {"stage": stage},
               "zeroshard": {"check_collectives": True, "collective_timeout": timeout}}
-    engine = zeroshard.initialize(Stack(), lambda p: torch.optim.SGD(p, lr=0.1), config)
+    model = AuxStack() if fault == "aux_alone" else Stack()
+    engine = zeroshard.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config)
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
     try:
@@ -125,6 +146,15 @@ def test_divergence_is_named(tmp_path, stage: int, fault: str) -> None:
         message = results[0]["message"]
         assert "rank 0: reduce_scatter(unit 3 (blocks.2)" in message, message
         assert "rank 1: all_gather(unit 3 (blocks.2)" in message, message
+
+
+def test_an_output_in_the_loss_of_some_ranks_only_is_named_with_the_fix(tmp_path) -> None:
+    """Stage 3 gathers a unit for backward where its output gets a gradient; stages 0-2 train."""
+    for rank, result in enumerate(_drill(3, "aux_alone", str(tmp_path))):
+        assert result["error"] == "DivergenceError", result
+        assert "Likely cause: a unit whose output reaches the loss on some ranks only" in result["message"]
+        assert "loss = loss + 0.0 * aux.sum()" in result["message"], result
+    assert _drill(2, "aux_alone", str(tmp_path))[0]["error"] is None
 
 
 def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:

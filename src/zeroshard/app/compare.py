@@ -16,7 +16,7 @@ Two kinds of run, because time and memory need opposite conditions:
   baseline* (taken before the model is built; the runtime alone is ~450 MiB), plus the GPU's peak
   allocation on cuda.
 
-The side-by-side world holds every implementation's model states at once (at 2 ranks, about 3.3x
+The side-by-side world holds every implementation's model states at once (at 2 ranks, about 3.9x
 DDP's alone); narrow it with --stages for a model near the machine's memory.
 """
 from __future__ import annotations
