@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from .keys import NOT_IMPLEMENTED_TOP, TOP_LEVEL
+from .noop_keys import accept_no_op
 from .nvme_keys import check as check_nvme
 from .sections import DTYPES, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
 
@@ -47,8 +48,9 @@ class Config(Settings):
             if key in TOP_LEVEL:
                 TOP_LEVEL[key](cfg, value)
             elif key in NOT_IMPLEMENTED_TOP:
-                raise ConfigError(f"config key '{key}' is a DeepSpeed key that zeroshard does not "
-                                  f"implement yet; remove it")
+                if not accept_no_op("", key, value):
+                    raise ConfigError(f"config key '{key}' is a DeepSpeed key that zeroshard does not "
+                                      f"implement yet; remove it")
             else:
                 raise ConfigError(f"unknown config key '{key}'; accepted top-level keys: "
                                   f"{', '.join(sorted(TOP_LEVEL))}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
+from .noop_keys import accept_no_op
 from .activation_keys import activations
 from .optimizer_keys import optimizer
 from .scheduler_keys import scheduler
@@ -72,8 +73,9 @@ def _zero(cfg: Settings, value: Any) -> None:
                 raise ConfigError(f"config key '{name}': false is not supported (it replaces the "
                                   f"reduce-scatter/all-gather pair with more traffic); set it to true")
         elif key in _NOT_IMPLEMENTED_ZERO:
-            raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not "
-                              f"implement yet; remove it")
+            if not accept_no_op("zero_optimization", key, v):
+                raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not "
+                                  f"implement yet; remove it")
         else:
             accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
             accepted += ["offload_optimizer", "offload_param", *_COMPATIBLE]
@@ -103,7 +105,7 @@ def _fp16(cfg: Settings, value: Any) -> None:
     section = as_dict("fp16", value)
     scaler = ScalerConfig()
     for key, v in section.items():
-        if key == "enabled":
+        if key == "enabled" or accept_no_op("fp16", key, v):
             continue
         if key not in _FP16_KEYS:
             _refuse(f"fp16.{key}", _NOT_IMPLEMENTED_FP16, ["enabled", *_FP16_KEYS])
@@ -119,8 +121,8 @@ def _fp16(cfg: Settings, value: Any) -> None:
 
 def _bf16(cfg: Settings, value: Any) -> None:
     section = as_dict("bf16", value)
-    for key in section:
-        if key != "enabled":
+    for key, v in section.items():
+        if key != "enabled" and not accept_no_op("bf16", key, v):
             _refuse(f"bf16.{key}", set(), ["enabled"])
     _enable_precision(cfg, "bf16", section.get("enabled", False))
 
@@ -173,7 +175,7 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
             setattr(cfg.zero, pin, as_bool(name, v))
         elif key in NVME_KEYS[section]:
             nvme_key(cfg, section, key, v)
-        else:
+        elif not accept_no_op(f"zero_optimization.{section}", key, v):
             _refuse(name, _NVME_KEYS, ["device", "pin_memory", *NVME_KEYS[section]])
 
 
