@@ -125,8 +125,9 @@ class EngineCompat:
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """Collective. DeepSpeed's export: the full weights in the training dtype (tied weights one
-        tensor), saved by rank 0 with torch.save (a safetensors file: zeroshard.consolidate).
+        """Collective. DeepSpeed's export: the full weights in the training dtype, saved by rank 0
+        with torch.save (tied weights one tensor), or as a safetensors file where the name ends in
+        .safetensors (DeepSpeed pickles whatever the name says; from_pretrained then fails on it).
         Returns True."""
         dtype = self.config.dtype(None)
         frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False)  # tied names too
@@ -137,7 +138,7 @@ class EngineCompat:
             out = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v)
                    for k, v in state.items() if not (exclude_frozen_parameters and k in frozen)}
             os.makedirs(save_dir, exist_ok=True)
-            torch.save(out, os.path.join(save_dir, save_filename))
+            _save(out, os.path.join(save_dir, save_filename))
         return True
 
     def destroy(self) -> None:
@@ -168,3 +169,16 @@ class EngineCompat:
         hint = _INSTEAD.get(name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'"
                              + (f": {hint}" if hint else ""))
+
+
+def _save(weights: dict[str, torch.Tensor], path: str) -> None:
+    if not path.endswith(".safetensors"):
+        torch.save(weights, path)
+        return
+    from safetensors.torch import save_file
+    seen: set[int] = set()
+    own = {}
+    for name, value in weights.items():  # safetensors stores no shared tensors: a tied name gets a copy
+        own[name] = value.contiguous() if id(value) not in seen else value.clone()
+        seen.add(id(value))
+    save_file(own, path)

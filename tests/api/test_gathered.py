@@ -108,6 +108,11 @@ def test_gathered_parameters_refusals(one_process_group, tmp_path):
         str(tmp_path / "tied"), exclude_frozen_parameters=True)
     saved = torch.load(tmp_path / "tied" / "pytorch_model.bin")
     assert "tok.weight" not in saved and "head.weight" not in saved and "blocks.0.up.weight" in saved
+    engine.save_16bit_model(str(tmp_path), "model.safetensors")  # what the name says, ties and all
+    from safetensors.torch import load_file
+    as_safetensors, pickled = load_file(tmp_path / "model.safetensors"), engine.full_state_dict()
+    assert as_safetensors.keys() == pickled.keys() and "head.weight" in as_safetensors
+    assert all(torch.equal(as_safetensors[k], v) for k, v in pickled.items())
     with pytest.raises(ValueError, match="modifier_rank 1 is not a rank of the 1-rank group"):
         with engine.gathered_parameters(modifier_rank=1):
             pass
