@@ -112,6 +112,14 @@ class FlatGrad:
         self._pending.discard(id(param))
         return not self._pending
 
+    def frozen_since_initialize(self) -> list[str]:
+        """Names of this buffer's parameters that reported no gradient because they were frozen
+        after initialize (requires_grad=False): the optimizer would still move them."""
+        if not self._pending:
+            return []
+        frozen = {id(p) for p in self.params if not p.requires_grad}
+        return sorted(self.slot_of[i].names[0] for i in self._pending if i in frozen)
+
     @property
     def complete(self) -> bool:
         """Has every parameter reported its gradient in this backward?"""

@@ -168,7 +168,9 @@ class GradientReducer:
             flat.offload_grad()
 
     def finish_backward(self) -> None:
-        """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order."""
+        """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order. A
+        parameter frozen since initialize is refused once the backward's collectives are done."""
+        frozen = [name for flat in self.flats if flat.trainable for name in flat.frozen_since_initialize()]
         late = self.phase is CyclePhase.REDUCED
         reduced_now = self._reducing_as_complete
         if reduced_now:
@@ -189,6 +191,11 @@ class GradientReducer:
             flat.end_backward()
         self._reducing = None
         self._in_engine_backward = False
+        if frozen:
+            raise RuntimeError(f"{frozen[:3]} frozen (requires_grad=False) after zeroshard.initialize(): the "
+                               f"trainable parameters are fixed there, and the optimizer would still move a "
+                               f"frozen one (weight decay, momentum) with a zero gradient. Freeze before "
+                               f"initialize(), or put it in a parameter group with lr 0 and weight_decay 0")
 
     def _reduce_again(self) -> None:
         """Gradients that arrived after their buffer was reduced in this same backward are reduced

@@ -259,6 +259,11 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     assert engine.global_steps == 1
     with pytest.raises(RuntimeError, match="no backward since the last update"):
         engine.step()
+    # A parameter frozen after initialize would still be moved by Adam with a zero gradient: refused.
+    late = zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.AdamW(p, lr=0.1))
+    late.module.bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"\['bias'\] frozen \(requires_grad=False\) after zeroshard"):
+        late.backward(late(torch.ones(2, 4)).sum())
     # DeepSpeed's conveniences, and nn.Module's names answered with what to use instead.
     assert engine.get_lr() == [0.1] and engine.get_global_grad_norm() > 0
     engine.zero_grad()  # a torch loop's habit before the forward: nothing to clear
