@@ -42,10 +42,16 @@ def find_units(model: nn.Module, unit_modules: list[str] | None) -> list[str]:
         wanted = set(unit_modules)
         candidates = {name for name, m in model.named_modules() if name and type(m).__name__ in wanted}
         found = {type(m).__name__ for name, m in model.named_modules() if name in candidates}
+        classes = sorted({type(m).__name__ for m in model.modules()} - {type(model).__name__})
         if wanted - found:
             raise ConfigError(f"config key 'zeroshard.unit_modules' names {sorted(wanted - found)}, but no "
-                              f"submodule has that class; the model's classes are "
-                              f"{sorted({type(m).__name__ for m in model.modules()})}")
+                              f"submodule has that class (the model itself is always the root unit); its "
+                              f"submodules' classes are {classes}")
+        containers = sorted({type(m).__name__ for name, m in model.named_modules()
+                             if name in candidates and type(m).forward is nn.Module.forward})
+        if containers:  # a unit is gathered by its forward hooks: a container never runs forward
+            raise ConfigError(f"config key 'zeroshard.unit_modules' names {containers}, which has no forward "
+                              f"of its own (a container): name the class of the blocks inside it")
     units = [ROOT]
     for name, _ in model.named_modules():
         if name in candidates and not any(_is_within(name, u) for u in units[1:]):

@@ -80,6 +80,10 @@ def test_parameter_groups():
 def test_unit_modules_must_exist():
     with pytest.raises(ValueError, match="no submodule has that class"):
         zeroshard.initialize(TinyGPT(), _adam, {"zeroshard": {"unit_modules": ["Blok"]}})
+    with pytest.raises(ValueError, match="the model itself is always the root unit.*classes are \\['Block'"):
+        zeroshard.initialize(TinyGPT(), _adam, {"zeroshard": {"unit_modules": ["TinyGPT"]}})
+    with pytest.raises(ValueError, match="names \\['ModuleList'\\], which has no forward of its own"):
+        zeroshard.initialize(TinyGPT(), _adam, {"zeroshard": {"unit_modules": ["ModuleList"]}})
 
 
 def test_non_scalar_loss():
