@@ -228,6 +228,8 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     import zeroshard
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
+    if args.lr is not None and not args.lr >= 0:
+        parser.error(f"--lr must be >= 0, got {args.lr}")
     for name in ("max_restarts", "save_every"):
         if getattr(args, name, 0) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

@@ -19,7 +19,12 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     import zeroshard
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file; give a directory (created if missing)")
     if not os.path.isfile(os.path.join(checkpoints, LATEST)):
+        if args.resume and not os.path.exists(checkpoints):
+            parser.error(f"--resume: nothing to resume in --out {args.out} (no checkpoints there); drop "
+                         f"--resume to start a new run, or give the --out of the run to continue")
         return
     if not args.resume:  # a new run would write its checkpoints over these, and `latest` with them
         with open(os.path.join(checkpoints, LATEST)) as f:
