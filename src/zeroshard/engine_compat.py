@@ -99,6 +99,16 @@ class EngineCompat:
         micro = self.train_micro_batch_size_per_gpu()
         return None if micro is None else micro * self.gradient_accumulation_steps() * self.world_size
 
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def gradient_clipping(self) -> float:
+        """The global-norm clipping threshold (0: off)."""
+        return self.config.gradient_clipping
+
     def was_step_applied(self) -> bool:
         """Did the last step() update the parameters (an accumulation boundary, not a skipped step)?"""
         return self.step_applied
@@ -110,6 +120,10 @@ class EngineCompat:
     @property
     def world_size(self) -> int:
         """Data-parallel ranks (the ranks ZeRO shards over)."""
+        return self.comm.world_size
+
+    @property
+    def dp_world_size(self) -> int:
         return self.comm.world_size
 
     @property

@@ -285,6 +285,8 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     # DeepSpeed's accessors, answered.
     assert engine.was_step_applied() and engine.zero_optimization_stage() == 2 and engine.training
     assert (engine.global_rank, engine.world_size, engine.gradient_accumulation_steps()) == (0, 1, 1)
+    assert engine.dp_world_size == 1 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.gradient_clipping() == 0.0
     assert engine.train_batch_size() is None and torch.equal(engine.forward(torch.ones(1, 4)),
                                                               engine(torch.ones(1, 4)))
     assert engine.save_16bit_model(str(tmp_path), "model.bin")  # DeepSpeed's export, rank 0 writes it
