@@ -72,6 +72,10 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict],
                               "to the config")
         cls, kwargs = config.optimizer.build_class(), config.optimizer.params
     elif isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        if config.optimizer is not None and not issubclass(spec, config.optimizer.build_class()):
+            raise ConfigError(f"the optimizer class {spec.__name__} and the config's \"optimizer\" section "
+                              f"of type {config.optimizer.type!r} disagree (its params were written for that "
+                              f"type); pass optimizer=None to build the section's, or change its type")
         cls, kwargs = spec, (config.optimizer.params if config.optimizer else {})
     elif callable(spec):
         if config.optimizer is not None:  # which one the user meant cannot be guessed

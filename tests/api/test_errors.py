@@ -54,6 +54,8 @@ def test_optimizer_forms():
     engine = zeroshard.initialize(nn.Linear(4, 4), torch.optim.SGD,
                                   {"optimizer": {"type": "sgd", "params": {"lr": 0.5}}})
     assert isinstance(engine.optimizer, torch.optim.SGD) and engine.optimizer.param_groups[0]["lr"] == 0.5
+    with pytest.raises(zeroshard.ConfigError, match="class SGD and the config's .* type 'AdamW' disagree"):
+        zeroshard.initialize(nn.Linear(4, 4), torch.optim.SGD, {"optimizer": {"type": "AdamW"}})
     engine = zeroshard.initialize(nn.Linear(4, 4),
                                   config={"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
     assert isinstance(engine.optimizer, torch.optim.AdamW)
