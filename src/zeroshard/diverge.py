@@ -1,7 +1,8 @@
 """Divergence diagnosis: when ranks stop issuing the same collectives, say where, instead of hanging.
 
 Every collective the engine issues leaves a fingerprint (kind, unit, bucket, size, dtype, step,
-micro-step, phase) in a short per-rank history, with a running count and digest. Two ways in:
+micro-step, phase) in a short per-rank history (diverge_report.py), with a running count and
+digest. Three ways in:
 
 * `check()`, at the start of every backward and step (every K steps with check_collectives: K):
   each rank compares (count, digest, clock) with rank 0's **through the c10d store**, never through
@@ -13,8 +14,11 @@ micro-step, phase) in a short per-rank history, with a running count and digest.
   within seconds, not after the timeout: a stage-3 rank that skips a unit stalls in forward, before
   any check). A stall that finds no such proof ends at `collective_timeout`, and a peer's alarm
   ends it within a slice. A mark is always a prefix of its rank's history, so a stale one is safe.
+* `gate()`, on entering an API call that is collective outside the training rhythm
+  (full_state_dict(), gathered_parameters() at stage 3): the ranks meet in the store first, so one
+  that entered alone is found stalled there, never paired with a peer's other collective.
 
-Either way the rank publishes its recent history to the store, waits a grace period for its peers'
+Any way, the rank publishes its recent history to the store, waits a grace period for its peers'
 and raises `DivergenceError` naming the first call where the histories differ and the likely cause.
 The store is used because a timed-out group is unusable. On CUDA a bounded wait would block the host
 on every collective, so there NCCL's own group timeout is the watchdog (zeroshard's checks still run).
@@ -27,13 +31,14 @@ import pickle
 import time
 import zlib
 from collections import deque
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from .devices import abandon_group
+from .diverge_report import Clock, Fingerprint, explain
 
 logger = logging.getLogger("zeroshard")
 
@@ -45,40 +50,6 @@ _instances = 0        # engines created in this process, in the same order on ev
 
 class DivergenceError(RuntimeError):
     """Ranks issued different collectives (or one stalled): the message names the first difference."""
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """One collective as this rank issued it; `seq` numbers the engine's collectives from 0."""
-
-    seq: int
-    kind: str
-    label: str
-    bucket: int
-    numel: int
-    dtype: str
-    step: int
-    micro: int
-    phase: str
-    backwards: int
-
-    def same_call(self, other: "Fingerprint | None") -> bool:
-        return other is not None and astuple(self)[1:] == astuple(other)[1:]
-
-    def describe(self) -> str:
-        what = f"{self.label}, bucket {self.bucket}" if self.label else "engine"
-        return (f"{self.kind}({what}, {self.numel} x {self.dtype}) in {self.phase} of step {self.step}, "
-                f"micro-step {self.micro}")
-
-
-@dataclass
-class Clock:
-    """Where the engine is, as its API calls say (the same on every rank unless they diverge)."""
-
-    step: int = 0
-    micro: int = 0
-    phase: str = "set-up"
-    backwards: int = 0
 
 
 class Watch:
@@ -93,7 +64,7 @@ class Watch:
         self.bounded = not on_cuda
         self.clock = Clock()
         self.recent: deque[Fingerprint] = deque(maxlen=_KEEP)
-        self.count, self.digest, self.checks = 0, 0, 0
+        self.count, self.digest, self.checks, self.gates = 0, 0, 0, 0
         self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
         self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -187,6 +158,43 @@ class Watch:
         if theirs != token:
             raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {phase}")
 
+    # ---- the gate ------------------------------------------------------------------------------
+    def gate(self, call: str) -> None:
+        """Before an API call that issues collectives outside the training rhythm (full_state_dict(),
+        gathered_parameters() at stage 3): every rank must enter it. A rank that entered alone would
+        pair its gathers with a peer's next collective, which gloo answers with an abort; so the ranks
+        first meet here, through the store. A peer that stalls in another collective meanwhile has
+        diverged (the gate is a call in the histories, so the diagnosis names it)."""
+        self.clock.phase = call
+        self.record("gate", call, 0, 0, "")
+        if self.store is None or self.world_size == 1:
+            return
+        self.gates += 1
+        token = pickle.dumps((self.count, self.digest))
+        keys = [f"{self.prefix}gate/{self.gates}/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], token)
+        self._count_store(token)
+        deadline = time.monotonic() + self.timeout
+        while not self._all_set(keys):
+            if self._alarm_raised():
+                raise self.diagnose(f"a peer found a divergence while this rank waited to enter {call}")
+            if (peer := self._differing_peer()) is not None:
+                raise self.diagnose(f"{call} is collective, and rank {peer} is in another collective")
+            if time.monotonic() >= deadline:
+                raise self.diagnose(f"{call} is collective, and not every rank entered it within "
+                                    f"{self.timeout:g} s (zeroshard.collective_timeout)")
+        if self.gates > 1:  # every rank has passed the previous gate: each has set this one's key
+            self.store.delete_key(f"{self.prefix}gate/{self.gates - 1}/{self.rank}")
+        if self.store.get(keys[0]) != token:
+            raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {call}")
+
+    def _all_set(self, keys: list[str]) -> bool:
+        try:
+            self.store.wait(keys, timedelta(seconds=min(_SLICE_S, self.timeout)))
+            return True
+        except RuntimeError:  # (the store's timeout)
+            return False
+
     def _count_store(self, payload: bytes) -> None:
         self.store_traffic["calls"] += 1
         self.store_traffic["bytes"] += len(payload)
@@ -220,50 +228,3 @@ def _default_store() -> "dist.Store | None":
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
-
-
-def explain(histories: dict[int, tuple[list[Fingerprint], Clock]], world_size: int) -> str:
-    """The first collective call at which the ranks' histories differ, and the likely cause."""
-    silent = sorted(set(range(world_size)) - set(histories))
-    note = f" Ranks {silent} did not answer (exited, killed, or stuck outside zeroshard)." if silent else ""
-    by_seq = {r: {fp.seq: fp for fp in recent} for r, (recent, _) in histories.items()}
-    start = max((min(s) for s in by_seq.values() if s), default=0)
-    end = max((max(s) + 1 for s in by_seq.values() if s), default=0)
-    for seq in range(start, end):
-        calls = {r: s.get(seq) for r, s in by_seq.items()}
-        first = next(iter(calls.values()))
-        if all(fp is not None and fp.same_call(first) for fp in calls.values()):
-            continue
-        lines = [f"  rank {r}: " + (fp.describe() if fp else f"nothing (its last call was #{seq - 1}; "
-                                    f"now in {histories[r][1].phase} of step {histories[r][1].step})")
-                 for r, fp in sorted(calls.items())]
-        return (f"collectives diverged at call #{seq}:\n" + "\n".join(lines) + "\n" +
-                likely_cause(calls, {r: c for r, (_, c) in histories.items()}) + note)
-    clocks = {r: (c.phase, c.step, c.micro, c.backwards) for r, (_, c) in histories.items()}
-    return f"the answering ranks issued the same collectives; their clocks: {clocks}.{note}"
-
-
-def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock]) -> str:
-    """A guess from where each rank stood at the first difference (phase, API calls made so far)."""
-    seen = {r: fp or clocks[r] for r, fp in calls.items()}
-    tally = "; ".join(f"rank {r} in {c.phase}, after {c.backwards} backward() and {c.micro} step() calls"
-                      for r, c in sorted(clocks.items()))
-    phases = {r: s.phase for r, s in seen.items()}
-    if len(set(phases.values())) > 1:
-        where = ", ".join(f"rank {r} in {p}" for r, p in sorted(phases.items()))
-        return (f"Likely cause: the ranks are in different calls ({where}): a step() on some ranks only, "
-                f"a different number of backward() calls per step ({tally}), or a forward (an "
-                f"evaluation, a generate()) run on some ranks only.")
-    if len({s.backwards for s in seen.values()}) > 1 or len({s.micro for s in seen.values()}) > 1:
-        return f"Likely cause: a different number of backward() or step() calls ({tally})."
-    if len({fp.label for fp in calls.values() if fp is not None}) > 1:
-        return ("Likely cause: a unit run on some ranks only (a data-dependent branch in forward that skips "
-                "or repeats a block). At stage 3 every rank must run the same units; keep the branch "
-                "identical on all ranks or move it outside the sharded units.")
-    kinds = {fp.kind for fp in calls.values() if fp is not None}
-    if "all_gather" in kinds and len(kinds) > 1 and all(s.phase == "backward" for s in seen.values()):
-        return ("Likely cause: a unit whose output reaches the loss on some ranks only (an auxiliary head, "
-                "a loss term added when the batch has its labels): at stage 3 a unit is gathered for "
-                "backward where its output gets a gradient. Let it reach the loss on every rank, e.g. "
-                "loss = loss + 0.0 * aux.sum() where the term is absent.")
-    return "Likely cause: ranks built different models or configs (same call, different size or dtype)."

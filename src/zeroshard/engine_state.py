@@ -161,6 +161,8 @@ class EngineState:
         always of every parameter: DeepSpeed's positional `params` is refused by name."""
         modifier_rank = gathered.check_can_gather(self.comm, params, modifier_rank,
                                                   self.config.delayed_param_update)
+        if self.policy.shard_params or modifier_rank is not None:  # it issues collectives
+            self.comm.watch.gate("gathered_parameters()")
         self.wait_for_parameters()
         with gathered.full_parameters(self.units, self.flats, self.comm, modifier_rank):
             yield self.module
@@ -171,6 +173,7 @@ class EngineState:
         an export on a node of N ranks then holds one host copy of the model, not N)."""
         values: dict[str, torch.Tensor] = {}
         keep = not rank0_only or self.comm.rank == 0
+        self.comm.watch.gate("full_state_dict()")  # a rank alone is named, not left to pair its gathers
         self.wait_for_parameters()
         with torch.no_grad(), self.comm.outside_step():
             for flat in self.flats:

@@ -79,6 +79,11 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
         if fault == "step_alone" and rank == 1 and step == 2:
             continue  # rank 0 steps alone
         engine.step()
+        if fault == "export_alone" and rank == 0 and step == 2:
+            engine.full_state_dict()
+        if fault == "gathered_alone" and rank == 0 and step == 2:
+            with engine.gathered_parameters():  # a read: no collective below stage 3
+                pass
         if fault == "save_alone":  # DDP's habit: rank 0 saves, then every rank logs the mean loss
             if rank == 0 and step == 2:
                 engine.save_checkpoint(os.path.join(directory, "ckpt"))
@@ -179,6 +184,22 @@ def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str
         assert result["error"] == "DivergenceError", result
         assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
         assert "collectives diverged at call #" in result["message"], result
+
+
+@pytest.mark.parametrize("fault,call", [("export_alone", "full_state_dict()"),
+                                        ("gathered_alone", "gathered_parameters()")])
+def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault: str, call: str) -> None:
+    """At stage 3 these gather every unit: entered on rank 0 alone, its gathers would pair with the
+    other rank's next forward, and gloo aborts the process on the size mismatch (no diagnosis). The
+    ranks first meet at a gate in the store, so the stalled peer is found in seconds and named."""
+    results = _drill(3, fault, str(tmp_path), timeout=PATIENT)
+    for rank, result in enumerate(results):
+        assert result["error"] == "DivergenceError", result
+        assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
+        assert f"rank 0: entered {call} (collective) at step 3" in result["message"], result
+        assert f"Likely cause: {call} called on some ranks only" in result["message"], result
+    if fault == "gathered_alone":  # below stage 3 a read issues no collective: rank 0 may, alone
+        assert all(r["error"] is None for r in _drill(2, fault, str(tmp_path))), "stage 2"
 
 
 def test_a_diverged_torchrun_job_exits(tmp_path) -> None:
