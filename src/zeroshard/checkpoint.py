@@ -11,7 +11,7 @@ written by rank 0; RNG states are per rank.
 
 Atomic: DCP writes into "<dir>/.<tag>.tmp"; only when every rank is done, and the manifest of
 checksums is written (integrity.py), does rank 0 rename it to "<dir>/<tag>" and then replace
-"<dir>/latest". A crash at any point leaves `latest` naming the previous complete checkpoint.
+"<dir>/latest" (checkpoint_commit.py: the commit, failed saves and what interrupted ones leave).
 Verified: load, info and consolidate check every file's size and checksum, then the metadata,
 before reading a tensor (integrity.py and checkpoint_meta.py state the invariants).
 """
@@ -28,13 +28,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checkpoint_meta, integrity
+from .checkpoint_commit import LATEST, commit, failure_of, recovered, sweep_leftovers, tags
 from .comm import Comm
 from .flat_param import FlatParam
 from .integrity import CheckpointError
 from .memory import on_disk
 from .parallel.dtensor import from_canonical
 
-LATEST = "latest"
 # Optimizer options that say how a run computes, not what: each run keeps its own on load.
 IMPLEMENTATION_KEYS = {"fused", "foreach", "capturable", "differentiable"}
 
@@ -78,7 +78,7 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
     if comm.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of an interrupted save
+            sweep_leftovers(directory)
         except OSError as e:
             made = f"cannot save a checkpoint into '{directory}': {e}"
     integrity.agree(comm, made)  # every rank raises the error (none is left waiting for rank 0)
@@ -119,15 +119,26 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device,
                                            pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
-    dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
-    integrity.commit_manifest(tmp, comm)  # every rank is done writing once this returns
-    failed = None
-    if comm.rank == 0:
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
+    except CheckpointException as e:  # raised on every rank: DCP gathers the writers' errors
+        failed = failure_of(e)
+    else:
+        failed = integrity.commit_manifest(tmp, comm)  # every rank is done writing once this returns
+    if comm.rank == 0 and failed is None:
         try:
-            _commit(directory, tmp, final, tag)
+            commit(directory, tmp, final, tag)
         except OSError as e:
-            failed = f"checkpoint not committed: {e}"
-    integrity.agree(comm, failed)  # rank 0's failure, raised on every rank rather than awaited
+            failed = f"rank 0: {e}"
+    failed = next((f for f in comm.all_gather_objects(failed) if f), None)  # rank 0's too, on every rank
+    if failed:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()  # every rank raises once they are gone
+        raise CheckpointError(f"checkpoint '{tag}' not saved ({failed}). Its partial files were removed; "
+                              f"'{LATEST}' and the checkpoints in '{directory}' are untouched, and the "
+                              f"engine can train on: free space in '{directory}' (or save elsewhere) and "
+                              f"save again")
     return final
 
 
@@ -160,19 +171,6 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pie
             "optimizer": type(optimizer).__name__, "extra": extra}
 
 
-def _commit(directory: str, tmp: str, final: str, tag: str) -> None:
-    old = final + ".old"
-    if os.path.exists(final):  # replace an existing tag without a moment where neither exists
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    pointer = os.path.join(directory, f".{LATEST}.tmp")
-    with open(pointer, "w") as f:
-        f.write(tag)
-    os.replace(pointer, os.path.join(directory, LATEST))
-
-
 # ---- load -----------------------------------------------------------------------------------------
 def resolve(path: str, missing_ok: bool = False) -> str | None:
     """A checkpoint directory, or a parent holding `latest`. With missing_ok, a path that does not
@@ -189,7 +187,11 @@ def _resolve(path: str) -> tuple[str, str | None]:
     Trainer checkpoint-N folder stands for the `zeroshard` one inside). An error about a checkpoint
     found through `latest` offers the newest complete sibling."""
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint path '{path}' does not exist")
+        if (old := recovered(path, integrity.METADATA)) is not None:
+            return old, None
+        there = tags(os.path.dirname(path.rstrip(os.sep)), integrity.METADATA)
+        raise CheckpointError(f"checkpoint path '{path}' does not exist" +
+                              (f"; the checkpoints beside it: {', '.join(there)}" if there else ""))
     inner = os.path.join(path, "zeroshard")  # a Trainer checkpoint-N folder that ZeroTrainer wrote
     if os.path.isdir(inner) and not any(os.path.exists(os.path.join(path, name))
                                         for name in (LATEST, integrity.METADATA)):
@@ -199,6 +201,7 @@ def _resolve(path: str) -> tuple[str, str | None]:
         with open(os.path.join(path, LATEST)) as f:
             tag = f.read().strip()
         parent, path = path, os.path.join(path, tag)
+        path = recovered(path, integrity.METADATA) or path
         if not os.path.isdir(path):
             raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in {parent}"
                                   + integrity.offer(parent, path))

@@ -62,22 +62,27 @@ def _written_by(directory: str, rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def commit_manifest(directory: str, comm: Comm) -> None:
+def commit_manifest(directory: str, comm: Comm) -> str | None:
     """Collective, after dcp.save into `directory` (not yet committed): every rank checksums the
-    files it wrote and rank 0 writes the manifest. A failure anywhere raises on every rank."""
+    files it wrote and rank 0 writes the manifest. Returns what failed: any rank's checksum
+    (known to every rank), or rank 0's write (rank 0's to pass on: save() agrees on it)."""
     try:
         local: Any = {n: checksum(os.path.join(directory, n))
                       for n in _written_by(directory, comm.rank, comm.world_size)}
     except OSError as e:
         local = f"rank {comm.rank} cannot checksum what it wrote: {e}"
     views = comm.all_gather_objects(local)
-    agree(None, next((f"checkpoint not committed: {v}" for v in views if isinstance(v, str)), None))
-    if comm.rank == 0:
+    failed = next((v for v in views if isinstance(v, str)), None)
+    if comm.rank == 0 and failed is None:
         files = {name: entry for view in views for name, entry in view.items()}
-        with open(os.path.join(directory, MANIFEST), "w") as f:
-            json.dump({"format": 1, "algorithm": "crc32", "files": files}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())  # durable before the rename commits it, as DCP's own files are
+        try:
+            with open(os.path.join(directory, MANIFEST), "w") as f:
+                json.dump({"format": 1, "algorithm": "crc32", "files": files}, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())  # durable before the rename commits it, as DCP's own files are
+        except OSError as e:
+            failed = f"rank 0 cannot write {MANIFEST}: {e}"
+    return failed
 
 
 def agree(comm: Comm | None, error: str | None) -> None:

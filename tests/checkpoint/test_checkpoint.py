@@ -173,6 +173,78 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
     assert open(tmp_path / "latest").read() == "doomed"
 
 
+def _crash_between_the_renames(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(2, seed=0)
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory, tag="last")
+    _train(engine, rank, world_size, range(1, 2))
+    if rank == 0:  # killed after moving the old "last" aside, before the new one takes its name
+        moved = []
+        real = os.replace
+        os.replace = lambda a, b: os._exit(17) if moved else (moved.append(a), real(a, b))[1]
+    engine.save_checkpoint(directory, tag="last")  # the same tag again: DeepSpeed users' habit
+
+
+def _load_after_the_crash(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(2, seed=5)
+    path, _ = engine.load_checkpoint(directory)
+    assert os.path.basename(path) == "last.old" and engine.global_steps == 1, path
+    engine.save_checkpoint(directory, tag="last")  # and the tag is saved again as usual
+
+
+def test_a_crash_between_the_commit_renames_loses_nothing(tmp_path):
+    """Re-saving a tag moves the old one aside first; killed there, `latest` names a tag that is
+    gone: the load takes the one moved aside (the checkpoint `latest` named), with a warning."""
+    with pytest.raises(Exception):
+        spawn(_crash_between_the_renames, 2, str(tmp_path))
+    assert open(tmp_path / "latest").read() == "last" and not (tmp_path / "last").exists()
+    spawn(_load_after_the_crash, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["last", "latest"]
+
+
+def _save_onto_a_full_disk(rank: int, world_size: int, directory: str) -> None:
+    import resource
+    import signal
+    engine = _engine(2, seed=0)
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory, tag="good")
+    _train(engine, rank, world_size, range(1, 2))
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:  # this rank's writes fail past 2 KiB, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
+    with pytest.raises(zeroshard.CheckpointError, match="'full' not saved.*rank 1.*File too large") as e:
+        engine.save_checkpoint(directory, tag="full")
+    assert "untouched" in str(e.value) and "save again" in str(e.value), e.value
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert sorted(os.listdir(directory)) == ["good", "latest"]  # the partial files are gone
+    _train(engine, rank, world_size, range(2, 3))  # the engine trains on, and saves
+    engine.save_checkpoint(directory, tag="later")
+    assert engine.load_checkpoint(directory)[0].endswith("later")
+
+
+def test_a_failed_write_is_one_clear_error_and_leaves_nothing_behind(tmp_path):
+    spawn(_save_onto_a_full_disk, 2, str(tmp_path))
+
+
+def _leftovers_swept(rank: int, world_size: int, directory: str) -> None:
+    engine = _engine(1, seed=0)
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory, tag="step1")
+    listed = "/step9' does not exist; the checkpoints beside it: step1, step2"
+    with pytest.raises(zeroshard.CheckpointError, match=listed):
+        engine.load_checkpoint(directory, tag="step9")
+
+
+def test_leftovers_of_interrupted_saves_go_and_a_wrong_tag_lists_the_tags(tmp_path):
+    (tmp_path / ".step7.tmp").mkdir()  # an interrupted save of another tag
+    (tmp_path / ".step7.tmp" / "__0_0.distcp").write_bytes(b"x" * 100)
+    (tmp_path / "step2").mkdir()
+    (tmp_path / "step2" / ".metadata").write_bytes(b"")  # listed as a checkpoint, not loaded
+    spawn(_leftovers_swept, 2, str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step1", "step2"]
+
+
 def test_consolidate_offline_into_a_plain_model(tmp_path):
     spawn(_save, 3, 3, str(tmp_path))
     weights = zeroshard.consolidate(str(tmp_path))  # no process group in this process
