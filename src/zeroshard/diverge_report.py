@@ -25,6 +25,8 @@ class Fingerprint:
         return other is not None and astuple(self)[1:] == astuple(other)[1:]
 
     def describe(self) -> str:
+        if self.kind == "gate":
+            return f"entered {self.label} (collective) at step {self.step}, micro-step {self.micro}"
         what = f"{self.label}, bucket {self.bucket}" if self.label else "engine"
         return (f"{self.kind}({what}, {self.numel} x {self.dtype}) in {self.phase} of step {self.step}, "
                 f"micro-step {self.micro}")
