@@ -26,6 +26,7 @@ from .flat_grad import FlatGrad
 from .offload import Copier, HostCopies
 from .parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
 from .partition import Slot, build_layout
+from .placeholders import Placeholders
 from .policy import Buckets, StagePolicy
 from .precision import Precision
 from .states import move
@@ -78,7 +79,7 @@ class FlatParam(FlatGrad):
         self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
         self.state = ParamState.GATHERED
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
-        self._placeholder = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+        self._placeholder = Placeholders(self.full.dtype, self.full.device)  # a write into one is refused
         # Each parameter's view of `full`, made once: `full` keeps one storage, resized in place by
         # free() and prefetch(), so the views stay valid (stage 3 points parameters at them each gather).
         self._views = [local_view(self.full[slot.span], slot.shape, spec)
@@ -126,8 +127,7 @@ class FlatParam(FlatGrad):
             point(p, view, spec)
 
     def _point_params_at_placeholder(self) -> None:
-        for p, spec in zip(self.params, self.specs):
-            point(p, self._placeholder, spec)
+        self._placeholder.point(self.params, self.specs)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
@@ -177,6 +177,7 @@ class FlatParam(FlatGrad):
         self.prefetch()
         with torch.no_grad():
             complete(self._gathering)
+        self._placeholder.check_untouched(self.params, self.layout.slots)
         self._point_params_at_full()
         self._set_state(ParamState.GATHERED)
 
@@ -246,6 +247,8 @@ class FlatParam(FlatGrad):
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
         torch.autograd.graph.increment_version(self.params)
+        if self.state is not ParamState.GATHERED:  # placeholders: this bump is no user's write
+            self._placeholder.note(self.params)
         with torch.no_grad():
             if self.master is not updated and self.host is not None and not self.shard_on_host:
                 self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously

@@ -170,3 +170,29 @@ def test_module_load_state_dict_after_initialize(one_process_group, stage, extra
     dtype = torch.bfloat16 if "bf16" in extra else torch.float32  # bf16: an element whose bf16 value
     for name, value in engine.full_state_dict().items():             # stayed keeps its fp32 master
         assert torch.equal(value.to(dtype), loaded[name].to(dtype)), name
+
+
+@pytest.mark.parametrize("stage, extra", [(3, {}), (2, {"zeroshard": {"defer_param_gather": True}})])
+def test_a_write_into_a_placeholder_is_refused_by_name(one_process_group, stage, extra):
+    """Outside forward at stage 3 (and before a deferred all-gather lands) a parameter is an empty
+    placeholder: an in-place write there reaches neither the shard nor the master. Lost silently
+    before; now the next gather names it, and the way that works."""
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": stage}, **extra})
+    x, y = batches(1, 2)[0]
+    for _ in range(2):  # zeroshard's own version bumps at each step are no user's write
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    with torch.no_grad():
+        torch.nn.init.zeros_(engine.module.blocks[1].up.weight)
+    with pytest.raises(RuntimeError, match="blocks.1.up.weight changed in place while this rank held only "
+                                           "its shard .* engine.gathered_parameters\\(modifier_rank=0\\)"):
+        engine(x)
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": stage}, **extra})
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    with engine.gathered_parameters(modifier_rank=0) as model, torch.no_grad():  # the way that works
+        torch.nn.init.zeros_(model.blocks[1].up.weight)
+    engine.backward(loss_fn(engine(x), y))
+    assert engine.full_state_dict()["blocks.1.up.weight"].abs().sum() == 0
