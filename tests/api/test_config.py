@@ -131,6 +131,10 @@ def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
     ({"train_batch_size": 0}, ["train_batch_size", ">= 1"]),
     ({"zeroshard": {"unit_modules": []}}, ["zeroshard.unit_modules", "list"]),
     ({"zeroshard": {"units": "auto"}}, ["zeroshard.units", "unit_modules"]),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memory": True}}},  # offloads nothing
+     ["zero_optimization.offload_optimizer", "pin_memory but no 'device'", "\"device\": \"cpu\""]),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"pin_memory": True}}},
+     ["zero_optimization.offload_param", "no 'device'"]),
 ])
 def test_bad_values_are_named(raw, words):
     with pytest.raises(ConfigError) as err:

@@ -153,6 +153,25 @@ def test_hf_config_known_models(config, count):
     assert hf_config_params(config) == count
 
 
+@pytest.mark.parametrize("config, count", [  # published counts, of families the formulas do not describe
+    ({"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+      "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8},
+     46_702_792_704),  # Mixtral-8x7B: 8 experts per layer, not a dense 7B
+    ({"model_type": "t5", "d_model": 512, "d_ff": 2048, "num_layers": 6, "num_heads": 8, "vocab_size": 32128},
+     60_506_624),  # t5-small: an encoder-decoder
+])
+def test_hf_config_counts_the_architecture_transformers_builds(config, count):
+    pytest.importorskip("transformers")
+    assert hf_config_params(config) == count
+
+
+def test_hf_config_with_experts_is_never_counted_as_dense():
+    config = {"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16, "vocab_size": 10,
+              "num_attention_heads": 2, "num_local_experts": 8}  # no model_type: no model to build
+    with pytest.raises(ValueError, match="experts \\(num_local_experts\\).*--params"):
+        hf_config_params(config)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"n_embd": 8, "vocab_size": 10, "n_positions": 4}, "n_layer"),
     ({"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2},

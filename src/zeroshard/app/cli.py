@@ -110,7 +110,8 @@ def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--layers", type=int, help="built-in GPT layers (overrides --model's; default small's)")
     p.add_argument("--width", type=int, help="built-in GPT width (overrides --model's; default small's)")
     p.add_argument("--hf-config",
-                   help="a Hugging Face config.json (GPT-2 or LLaMA style) instead of --params")
+                   help="a Hugging Face config.json instead of --params (counted on the model "
+                        "transformers builds on the meta device; without it, GPT-2 or LLaMA style)")
     p.add_argument("--nproc", type=int, default=64, help="GPUs in all, DP x MP (default 64)")
     p.add_argument("--mp", type=int, default=1, help="model-parallel degree; DP = nproc / mp (default 1)")
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")

@@ -163,7 +163,12 @@ def _offload(cfg: Settings, value: Any, section: str) -> None:
     """offload_optimizer / offload_param: {"device": "cpu" | "nvme" | "none", "pin_memory": bool, and
     the disk offload's keys (nvme_keys.py)}."""
     pin = "offload_pin_memory" if section == "offload_optimizer" else "offload_param_pin_memory"
-    for key, v in as_dict(f"zero_optimization.{section}", value).items():
+    keys = as_dict(f"zero_optimization.{section}", value)
+    if keys and "device" not in keys:  # DeepSpeed reads it as "none": settings for an offload that never runs
+        raise ConfigError(f"config key 'zero_optimization.{section}' sets {', '.join(sorted(keys))} but no "
+                          f"'device', so nothing would be offloaded; add \"device\": \"cpu\" (or \"nvme\"), "
+                          f"or \"none\" to keep it on the device")
+    for key, v in keys.items():
         name = f"zero_optimization.{section}.{key}"
         if key == "device":
             refuse_auto(name, v)

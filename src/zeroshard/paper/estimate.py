@@ -112,9 +112,46 @@ def llama_params(layers: int, width: int, vocab_size: int, ffn: int, heads: int,
     return layers * block + vocab_size * d * (1 if tied else 2) + d  # + final RMSNorm
 
 
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def hf_model_params(config: Mapping) -> int | None:
+    """Ψ counted on the architecture itself: transformers builds it from the config on the meta
+    device (shapes, no memory), tied weights counted once. Exact for any family it knows (MoE
+    experts, encoders, encoder-decoders); None without transformers or a model_type it knows."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    kind = config.get("model_type")
+    try:
+        hf = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
+    except (ValueError, KeyError, TypeError):
+        return None
+    named = [getattr(transformers, name, None) for name in (hf.architectures or [])]
+    with torch.device("meta"):
+        for cls in [*filter(None, named), transformers.AutoModelForCausalLM, transformers.AutoModel]:
+            try:
+                model = cls.from_config(hf) if cls.__name__.startswith("Auto") else cls(hf)
+            except ValueError:  # not a class for this config (an encoder has no causal-LM class)
+                continue
+            return sum(p.numel() for p in model.parameters())
+    return None
+
+
 def hf_config_params(config: Mapping) -> int:
-    """Ψ of a Hugging Face `config.json`: GPT-2 family when it has `n_embd` (or model_type gpt2),
-    else LLaMA family. A missing or non-positive size raises ValueError naming the key."""
+    """Ψ of a Hugging Face `config.json`: counted on the model transformers builds from it (see
+    hf_model_params), else by formula: GPT-2 family when it has `n_embd` (or model_type gpt2), else
+    LLaMA family. A missing or non-positive size raises ValueError naming the key; a config the
+    formulas do not describe (experts) raises rather than be counted as a dense model."""
+    counted = hf_model_params(config) if config.get("model_type") else None
+    if counted is not None:
+        return counted
+    experts = [k for k in _EXPERT_KEYS if config.get(k)]
+    if experts:
+        raise ValueError(f"the config has experts ({experts[0]}): counting them needs its model_type "
+                         f"known to transformers (pip install transformers), or give --params")
     def key(*names: str, default: int | None = None) -> int:
         name = next((n for n in names if config.get(n) is not None), None)
         if name is None and default is not None:
