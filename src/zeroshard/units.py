@@ -267,6 +267,10 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
             unit.install_stage3_hooks(order)
             guard_state_dict(unit)
         gather_root_for_its_parts(units[0])
+        for module in units[0].module.modules():  # as fully_shard marks what it manages, for the same
+            module._is_fsdp_managed_module = True  # readers: transformers then runs every layer on every
+            module._fsdp_use_orig_params = True    # rank (layerdrop off) and generates with synced_gpus;
+            # dynamo treats the parameters as inputs, whose storage the unit hooks swap in and out
     elif defer_gather:
         deferred = True
         for unit in units:

@@ -62,3 +62,33 @@ def _direct_calls(rank: int, world_size: int) -> None:
 
 def test_root_modules_called_on_their_own_at_stage_3():
     spawn(_direct_calls, 2)
+
+
+def _layerdrop(rank: int, world_size: int) -> None:
+    """wav2vec2 skips each layer with probability `layerdrop`, unless transformers sees the model
+    sharded (is_deepspeed_zero3_enabled() or is_fsdp_managed_module()): ranks that drew differently
+    would pair one layer's all-gather with another's (wrong weights, silently, for equal sizes)."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=20, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, layerdrop=0.5, mask_time_prob=0.0, do_stable_layer_norm=True,
+        pad_token_id=0, ctc_loss_reduction="mean")
+    model = transformers.Wav2Vec2ForCTC(config)
+    ran: list[int] = []
+    for i, layer in enumerate(model.wav2vec2.encoder.layers):
+        layer.register_forward_pre_hook(lambda module, args, i=i: ran.append(i))
+    engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+    for step in range(3):
+        torch.manual_seed(100 * rank + step)  # each rank draws its own layers to drop
+        x, labels = torch.randn(2, 1600), torch.randint(1, 20, (2, 5))
+        engine.backward(engine(input_values=x, labels=labels).loss)
+        engine.step()
+    assert ran == list(range(4)) * 3, ran  # every layer, every step, on every rank
+    from transformers.integrations import is_fsdp_managed_module  # what generate() asks for synced_gpus
+    assert is_fsdp_managed_module(model) and is_fsdp_managed_module(model.wav2vec2.encoder.layers[0])
+
+
+def test_transformers_sees_a_stage_3_model_as_sharded(tmp_path):
+    spawn(_layerdrop, 2)
