@@ -93,8 +93,9 @@ def test_fp32_matches_torch_on_the_gpu(nccl_group, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_bf16_tracks_torch_amp(nccl_group, stage):
     # Not the same arithmetic: AMP keeps fp32 weights and casts per op, zeroshard computes with
-    # bf16 weights and keeps fp32 masters. Both must learn alike.
-    close(_zeroshard_losses(stage, "bf16"), _torch_losses(amp=True), rtol=0, atol=0.05,
+    # bf16 weights and keeps fp32 masters. Both must learn alike: within 2% at every step (on an
+    # H100 the gap was 0.7% at most over the first 6 steps; atol 0.05 had been a guess, at 2.7x).
+    close(_zeroshard_losses(stage, "bf16"), _torch_losses(amp=True), rtol=0.02, atol=0,
           what=f"stage {stage} bf16 against torch AMP")
 
 
@@ -110,7 +111,7 @@ def test_offload_matches_torch_on_the_gpu(nccl_group, stage, offload):
     close(_zeroshard_losses(stage, "fp32", zero=OFFLOADS[offload]), _torch_losses(amp=False),
           rtol=1e-4, atol=1e-5, what=f"stage {stage} offload {offload} fp32 on cuda")
     close(_zeroshard_losses(stage, "bf16", zero=OFFLOADS[offload]), _torch_losses(amp=True),
-          rtol=0, atol=0.05, what=f"stage {stage} offload {offload} bf16 against torch AMP")
+          rtol=0.02, atol=0, what=f"stage {stage} offload {offload} bf16 against torch AMP")
 
 
 def test_a_model_built_under_init_on_the_cpu_trains_on_the_gpu(nccl_group):
