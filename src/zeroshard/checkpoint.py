@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import checkpoint_meta, integrity
-from .checkpoint_commit import LATEST, commit, failure_of, recovered, sweep_leftovers, tags
+from .checkpoint_commit import LATEST, commit, failure_of, recovered, sweep_leftovers
 from .comm import Comm
 from .flat_param import FlatParam
 from .integrity import CheckpointError
@@ -130,7 +130,7 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
             commit(directory, tmp, final, tag)
         except OSError as e:
             failed = f"rank 0: {e}"
-    failed = next((f for f in comm.all_gather_objects(failed) if f), None)  # rank 0's too, on every rank
+    failed = integrity.first_error(comm, failed)  # rank 0's too, on every rank
     if failed:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -187,9 +187,9 @@ def _resolve(path: str) -> tuple[str, str | None]:
     Trainer checkpoint-N folder stands for the `zeroshard` one inside). An error about a checkpoint
     found through `latest` offers the newest complete sibling."""
     if not os.path.exists(path):
-        if (old := recovered(path, integrity.METADATA)) is not None:
+        if (old := recovered(path)) is not None:
             return old, None
-        there = tags(os.path.dirname(path.rstrip(os.sep)), integrity.METADATA)
+        there = integrity.committed(os.path.dirname(path.rstrip(os.sep)))
         raise CheckpointError(f"checkpoint path '{path}' does not exist" +
                               (f"; the checkpoints beside it: {', '.join(there)}" if there else ""))
     inner = os.path.join(path, "zeroshard")  # a Trainer checkpoint-N folder that ZeroTrainer wrote
@@ -201,7 +201,7 @@ def _resolve(path: str) -> tuple[str, str | None]:
         with open(os.path.join(path, LATEST)) as f:
             tag = f.read().strip()
         parent, path = path, os.path.join(path, tag)
-        path = recovered(path, integrity.METADATA) or path
+        path = recovered(path) or path
         if not os.path.isdir(path):
             raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in {parent}"
                                   + integrity.offer(parent, path))

@@ -19,6 +19,8 @@ import os
 import re
 import shutil
 
+from .integrity import METADATA
+
 logger = logging.getLogger("zeroshard")
 
 LATEST = "latest"
@@ -48,23 +50,15 @@ def sweep_leftovers(directory: str) -> None:
             logger.info("removed '%s', the leftover of a save that never committed", path)
 
 
-def recovered(path: str, metadata: str) -> str | None:
+def recovered(path: str) -> str | None:
     """Where `path` (a tag) is gone but its predecessor was kept aside by a commit that was
     killed between its renames: that predecessor, a complete checkpoint."""
     old = path.rstrip(os.sep) + ".old"
-    if os.path.exists(path) or not os.path.isfile(os.path.join(old, metadata)):
+    if os.path.exists(path) or not os.path.isfile(os.path.join(old, METADATA)):
         return None
     logger.warning("'%s' is missing: a save of that tag was killed while committing. Loading the "
                    "checkpoint it was replacing, '%s'", path, old)
     return old
-
-
-def tags(directory: str, metadata: str) -> list[str]:
-    """The committed checkpoints in `directory`, by name."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n, metadata))
-                  and not n.startswith("."))
 
 
 def failure_of(error: BaseException) -> str:

@@ -85,10 +85,15 @@ def commit_manifest(directory: str, comm: Comm) -> str | None:
     return failed
 
 
+def first_error(comm: Comm | None, error: str | None) -> str | None:
+    """Collective with a Comm: the first rank's error, if any rank has one, on every rank."""
+    errors = comm.all_gather_objects(error) if comm is not None else [error]
+    return next((e for e in errors if e), None)
+
+
 def agree(comm: Comm | None, error: str | None) -> None:
     """Collective with a Comm: raise on every rank the first rank's error, if any rank has one."""
-    errors = comm.all_gather_objects(error) if comm is not None else [error]
-    first = next((e for e in errors if e), None)
+    first = first_error(comm, error)
     if first:
         raise CheckpointError(first)
 
@@ -177,16 +182,22 @@ def offer(parent: str | None, broken: str, comm: Comm | None = None) -> str:
     return f"; the newest complete checkpoint is '{newest}' (load it by that path)"
 
 
+def committed(parent: str) -> list[str]:
+    """The names of the checkpoints in `parent`, by name: directories holding DCP's index, skipping
+    a save in progress (".x.tmp") and a replaced tag ("x.old")."""
+    if not os.path.isdir(parent):
+        return []
+    return sorted(n for n in os.listdir(parent) if not (n.startswith(".") or n.endswith(".old"))
+                  and os.path.isfile(os.path.join(parent, n, METADATA)))
+
+
 def newest_complete(parent: str, exclude: str, comm: Comm | None = None) -> str | None:
     """The most recently written checkpoint under `parent`, other than `exclude`, whose files
     verify. Temporary (".x.tmp") and replaced (".old") ones are skipped."""
     candidates = []
-    for name in os.listdir(parent):
+    for name in committed(parent):
         path = os.path.join(parent, name)
-        skip = name.startswith(".") or name.endswith(".old")  # a save in progress, a replaced tag
-        if skip or os.path.normpath(path) == os.path.normpath(exclude):
-            continue
-        if os.path.isfile(os.path.join(path, METADATA)):
+        if os.path.normpath(path) != os.path.normpath(exclude):
             candidates.append((os.path.getmtime(os.path.join(path, METADATA)), _natural(name), path))
     paths = [path for *_, path in sorted(candidates, reverse=True)]
     if comm is not None:  # rank 0's list: every rank then checks the same checkpoints in the same order

@@ -119,12 +119,14 @@ def hf_model_params(config: Mapping) -> int | None:
     """Ψ counted on the architecture itself: transformers builds it from the config on the meta
     device (shapes, no memory), tied weights counted once. Exact for any family it knows (MoE
     experts, encoders, encoder-decoders); None without transformers or a model_type it knows."""
+    kind = config.get("model_type")
+    if not kind:  # (before importing transformers, which takes seconds)
+        return None
     try:
         import torch
         import transformers
     except ImportError:
         return None
-    kind = config.get("model_type")
     try:
         hf = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
     except (ValueError, KeyError, TypeError):
@@ -145,7 +147,7 @@ def hf_config_params(config: Mapping) -> int:
     hf_model_params), else by formula: GPT-2 family when it has `n_embd` (or model_type gpt2), else
     LLaMA family. A missing or non-positive size raises ValueError naming the key; a config the
     formulas do not describe (experts) raises rather than be counted as a dense model."""
-    counted = hf_model_params(config) if config.get("model_type") else None
+    counted = hf_model_params(config)
     if counted is not None:
         return counted
     experts = [k for k in _EXPERT_KEYS if config.get(k)]
