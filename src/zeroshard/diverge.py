@@ -112,6 +112,12 @@ class Watch:
         is compared from its side, once it stalls too.)"""
         if self.store is None or self.world_size == 1:
             return None
+        try:
+            return self._first_differing_mark()
+        except dist.DistError:  # the store is gone: the next slice's _alarm_raised() says so
+            return None
+
+    def _first_differing_mark(self) -> int | None:
         mark = pickle.dumps((self.count, self.digest))
         self.store.set(f"{self.prefix}stall/{self.rank}", mark)
         self._count_store(mark)
@@ -201,16 +207,33 @@ class Watch:
 
     # ---- the diagnosis --------------------------------------------------------------------------
     def _alarm_raised(self) -> bool:
-        return self.store is not None and self.store.check([f"{self.prefix}alarm"])
+        """A peer's alarm is up (or the store is gone: its host, global rank 0, has exited)."""
+        try:
+            return self.store is not None and self.store.check([f"{self.prefix}alarm"])
+        except dist.DistError:
+            return True
 
     def diagnose(self, reason: str) -> DivergenceError:
         """Publish this rank's history, collect the peers' (as many as answer), name the difference."""
         abandon_group()  # a collective may be left in flight: the exit hook must not wait on it
         if self.store is None:
             return DivergenceError(f"rank {self.rank}: {reason}; no c10d store to compare ranks with")
-        self.store.set(f"{self.prefix}alarm", str(self.rank))
-        self.store.set(f"{self.prefix}history/{self.rank}", pickle.dumps((list(self.recent), self.clock)))
         histories = {self.rank: (list(self.recent), self.clock)}
+        try:
+            self._exchange_histories(histories)
+        except dist.DistError as e:  # the store's host (global rank 0) exited: report what we have
+            reason += f" (the c10d store went away: {type(e).__name__})"
+        message = explain(histories, self.world_size)
+        logger.error("rank %d: %s", self.rank, message)
+        return DivergenceError(f"rank {self.rank}: {reason}.\n{message}")
+
+    def _exchange_histories(self, histories: dict) -> None:
+        """Publish this rank's history and collect the peers' within the grace period. Then say
+        `done` and wait (briefly) for every peer whose history was read to say it too: the store
+        lives in global rank 0's process, and a rank that raised and exited first would pull it from
+        under a peer still reading (it got `Connection reset`, not the diagnosis)."""
+        self.store.set(f"{self.prefix}alarm", str(self.rank))
+        self.store.set(f"{self.prefix}history/{self.rank}", pickle.dumps(histories[self.rank]))
         deadline = time.monotonic() + min(_GRACE_S, self.timeout) + 5 * _SLICE_S
         while len(histories) < self.world_size and time.monotonic() < deadline:
             for r in range(self.world_size):
@@ -218,9 +241,14 @@ class Watch:
                 if r not in histories and self.store.check([key]):
                     histories[r] = pickle.loads(self.store.get(key))
             time.sleep(0.05)
-        message = explain(histories, self.world_size)
-        logger.error("rank %d: %s", self.rank, message)
-        return DivergenceError(f"rank {self.rank}: {reason}.\n{message}")
+        self.store.set(f"{self.prefix}done/{self.rank}", "1")
+        try:  # (the histories are in hand: a store gone now is the host leaving after the others)
+            done = [f"{self.prefix}done/{r}" for r in histories]
+            deadline = time.monotonic() + 5 * _SLICE_S
+            while not self.store.check(done) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except dist.DistError:
+            pass
 
 
 def _default_store() -> "dist.Store | None":
