@@ -69,15 +69,25 @@ class FlatGrad:
         self._late: torch.Tensor | None = None  # stages 0-1, ACCUMULATING_MORE: gradients after the reduction
 
     def _allocate_grads(self) -> None:
-        """A trainable buffer's lasting gradient storage: the shard alone at stages 2-3 (the full
-        gradient is a temporary of each backward), else the full buffer with the shard its slice."""
-        if self.policy.shard_grads:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.precision.accumulate_dtype,
-                                          device=self.full.device)
-        else:
+        """A trainable buffer's gradient storage at stages 0-1: the full buffer, lasting, with the
+        shard its slice. (Stages 2-3 keep no gradient between steps: see _reduced_shard().)"""
+        if not self.policy.shard_grads:
             self.grad_full = torch.zeros_like(self.full)
             self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
         self._pending = set(self.slot_of)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The reduced gradient's dtype (stages 2-3: zero_optimization's accumulation dtype)."""
+        return self.precision.accumulate_dtype if self.policy.shard_grads else self.full.dtype
+
+    def _reduced_shard(self) -> torch.Tensor:
+        """`grad_shard`; at stages 2-3 allocated by the first reduction after a step and freed by
+        zero_grad() (FSDP2's set_to_none): the forward, where activations peak, holds no gradient."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype,
+                                          device=self.full.device)
+        return self.grad_shard
 
     def _set_grad_state(self, new: GradState) -> None:
         self.grad_state = move(self.grad_state, new, _GRAD_MOVES, "a flat parameter's gradient")
@@ -137,7 +147,7 @@ class FlatGrad:
             else:
                 accumulate = self._accumulating()
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
-                self.inflight += self.comm.reduce_scatter_mean(self.grad_shard, full, chunks, dtype,
+                self.inflight += self.comm.reduce_scatter_mean(self._reduced_shard(), full, chunks, dtype,
                                                                 accumulate, async_op)
         self._reduce_issued()
 
@@ -167,7 +177,7 @@ class FlatGrad:
 
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
-        return self.grad_shard if self.policy.shard_optimizer else self.grad_full
+        return self._reduced_shard() if self.policy.shard_optimizer else self.grad_full
 
     def attach_master_grad(self, factor: float) -> None:
         """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
@@ -211,10 +221,12 @@ class FlatGrad:
     def zero_grad(self) -> None:
         if self.trainable:
             self._grad_will_change()
-        if self.grad_full is not None and not self.policy.shard_grads:
+        if self.policy.shard_grads:
+            self.grad_shard = None  # freed (an offload download of it was waited for just above)
+            if self.host is not None:
+                self.host.drop_device_grad()
+        elif self.grad_full is not None:
             self.grad_full.zero_()
-        elif self.grad_shard is not None:
-            self.grad_shard.zero_()
         self._set_grad_state(GradState.EMPTY)
 
 
@@ -227,7 +239,7 @@ def reducible_together(flats: list[FlatGrad]) -> bool:
     return first.policy.shard_grads and \
         sum(f.layout.padded_numel for f in flats) <= first.buckets.reduce and \
         all(f.host is None and f.comm is first.comm and
-            f.full.dtype == first.full.dtype == f.precision.reduce_dtype == f.grad_shard.dtype for f in flats)
+            f.full.dtype == first.full.dtype == f.precision.reduce_dtype == f.grad_dtype for f in flats)
 
 
 def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
@@ -239,7 +251,7 @@ def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
         f._grad_will_change()
     comm = flats[-1].comm
     with comm.about(" + ".join(f.label for f in flats)):
-        flats[-1].inflight += comm.reduce_scatter_together([f.grad_shard for f in flats], fulls, accumulate,
-                                                            async_op)
+        shards = [f._reduced_shard() for f in flats]
+        flats[-1].inflight += comm.reduce_scatter_together(shards, fulls, accumulate, async_op)
     for f in flats:
         f._reduce_issued()

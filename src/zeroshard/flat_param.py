@@ -3,7 +3,9 @@
 Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the padded buffer):
 - module parameters are views of `full` while it is gathered (always, at stages 0-2);
 - `shard` is this rank's slice, in the compute dtype: an alias of `full` at stages 0-2, its own
-  tensor at stage 3 (in host memory with offload_param, unless the buffer stays gathered);
+  tensor at stage 3 (in host memory with offload_param, unless the buffer stays gathered), and None
+  at stage 3 where a 16-bit buffer has a device fp32 master: each gather casts the master into its
+  place in `full` (as FSDP2 does), so no lasting 16-bit copy (2Ψ/N) sits beside the master;
 - `master` is what the optimizer updates (fp32; the whole buffer at stage 0, the shard otherwise). It
   aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
   after each step (with offload_optimizer it is on the host, and so are `host`'s transfer buffers);
@@ -73,7 +75,9 @@ class FlatParam(FlatGrad):
         if self.shard_on_host:  # in host memory, or in a file with disk offload
             self.shard = copier.new_shard(self.full[self.range[0]:self.range[1]], precision.pin_params)
         elif policy.shard_params:
-            self.shard = self.shard.clone()
+            cast = trainable and not self.persistent and precision.param_dtype != torch.float32 and \
+                not precision.offload  # (the master is on the device: cast from it at each gather)
+            self.shard = None if cast else self.shard.clone()
         self.copier = copier
         self._host_read: "torch.cuda.Event | None" = None  # the last copy up of a host shard
         self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
@@ -113,7 +117,7 @@ class FlatParam(FlatGrad):
         updated = self.shard if self.policy.shard_optimizer else self.full
         if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
             self.master = self.copier.new_master(owned_source, p.pin_memory)  # host memory, or a file
-            self.host = HostCopies(self.copier, self.master.numel(), self.grad_shard.dtype,
+            self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype,
                                    None if self.shard_on_host else p.param_dtype)
         elif p.separate_master:
             self.master = owned_source.to(torch.float32, copy=True)
@@ -157,7 +161,12 @@ class FlatParam(FlatGrad):
 
     def _shard_on_device(self) -> torch.Tensor:
         """The shard, ready for a collective to read: a host shard is copied up into its own place
-        in `full` (the all-gather then runs in place); an uploaded update is waited for."""
+        in `full` (the all-gather then runs in place), as is the master cast to 16 bits where no
+        shard is kept; an uploaded update is waited for."""
+        if self.shard is None:
+            own = self.full[self.range[0]:self.range[1]]
+            own.copy_(self.master)
+            return own
         if self.shard_on_host:
             own = self.full[self.range[0]:self.range[1]]
             self.copier.shard_up(own, self.shard)  # pinned: ordered on the compute stream, host free
@@ -255,7 +264,7 @@ class FlatParam(FlatGrad):
             elif self.master is not updated and self.shard_on_host:
                 self.await_host_read()
                 self.copier.shard_down(updated, self.master)  # host memory, or its file
-            elif self.master is not updated:
+            elif self.master is not updated and updated is not None:  # (None: cast at the next gather)
                 updated.copy_(self.master)
             if not (self.policy.shard_optimizer and self.persistent):
                 return
@@ -273,25 +282,6 @@ class FlatParam(FlatGrad):
         """Complete the all-gather write_back() issued, unless the next forward is to."""
         if self.state is ParamState.GATHERING and not self.gather_behind_forward:
             self.gather()
-
-
-def prefetch_flats(flats: list[FlatParam]) -> None:
-    """Issue the all-gathers of the sharded buffers among `flats`; as one collective where they fit
-    one bucket (allgather_bucket_size) in one dtype. They share one Pending: whichever is completed
-    first copies every buffer out of the bucket. Why: a gloo collective has a fixed cost beside its bytes."""
-    due = [f for f in flats if f.state is ParamState.SHARDED]
-    first = due[0] if due else None
-    if len(due) < 2 or sum(f.layout.padded_numel for f in due) > first.buckets.gather or \
-            any(f.full.dtype != first.full.dtype or f.comm is not first.comm for f in due):
-        for f in due:
-            f.prefetch()
-        return
-    shards = [f._storage_back() for f in due]
-    with torch.no_grad(), first.comm.about(" + ".join(f.label for f in due)):
-        pending = first.comm.gather_together([f.full for f in due], shards, async_op=True)
-    for f in due:
-        f._gathering = pending
-        f._set_state(ParamState.GATHERING)
 
 
 def disk_store(flat: FlatParam) -> Any:

@@ -88,7 +88,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
-                 peak_temporary: int, largest_bucket: int) -> dict[str, int]:
+                 peak_temporary: int, largest_bucket: int, grads_at_step: int = 0) -> dict[str, int]:
     """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category, and by
     place: device + host + disk = model_states + buffers + temporary + transfer."""
     held: Counter = Counter()
@@ -99,6 +99,8 @@ def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, modul
     stats = {"params": held["params"], "grads": held["grads"], "optimizer": optim,
              "buffers": tensor_bytes(module.buffers()), "temporary": held["temporary"]}
     stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
+    stats["grads_in_step"] = max(stats["grads"], grads_at_step)  # stages 2-3 free them after the step
+    stats["model_states_in_step"] = stats["params"] + stats["grads_in_step"] + stats["optimizer"]
     stats["offloaded"] = optim if offload else 0  # the optimizer's, held in host memory
     # By place: offloaded states, and the buffers they travel through, are in host memory, or in
     # files with disk offload (whose step streams through host buffers of its own); the rest is

@@ -191,6 +191,11 @@ class HostCopies:
         if self._downloaded is not None:
             torch.cuda.current_stream(self.copier.device).wait_event(self._downloaded)
 
+    def drop_device_grad(self) -> None:
+        """The device gradient is freed (stages 2-3, after the step): on one memory `grad` was it."""
+        if self.copier.one_memory:
+            self.grad = None
+
     def upload(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
         """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
         before_device_read() orders the shard's next reader after it."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .units import Unit, UnitProgress, prefetch_together
+import torch
+
+from .flat_param import FlatParam, ParamState
+from .units import Unit, UnitProgress
 
 
 class UnitOrder:
@@ -25,8 +28,10 @@ class UnitOrder:
 
     def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
                  prefetch_numel: int | None = None, max_live_numel: int = 10**9,
-                 max_reuse_numel: int = 0, on_passed: Callable[[], None] = lambda: None) -> None:
+                 max_reuse_numel: int = 0, on_passed: Callable[[], None] = lambda: None,
+                 keep_tail: bool = True) -> None:
         self.enabled = prefetch
+        self.keep_tail = keep_tail and prefetch and prefetch_numel != 0  # see keeps_for_backward
         self.on_passed = on_passed  # the reducer: reduce what the units backward has passed hold
         self.prefetch_numel = prefetch_numel  # None: exactly the next unit
         self.max_live_numel = max_live_numel
@@ -56,11 +61,13 @@ class UnitOrder:
         between this use and the next along the previous forward's record: the later units' forward,
         then their backward. It stays when that is at most stage3_max_reuse_distance and everything
         then gathered at once fits stage3_max_live_parameters. With prefetch (overlap_comm), the last
-        two units stay whatever the distance: backward needs the last first and prefetches the one
-        before it at once, so freeing them would gather them straight back, and holding both holds
-        no more than forward did while the second ran with the last prefetched. A wrong guess (the
-        graph changed) only costs memory: the unit stays gathered until its gradients are reduced or
-        the backward ends."""
+        two units stay whatever the distance (`keep_tail`): backward needs the last first and prefetches
+        the one before it at once, so freeing them would gather them straight back. That saves two
+        gathers where a collective has a fixed cost (gloo), but the two are held through the loss
+        and the head's backward, where activations peak: on CUDA, where a gather is cheap and memory
+        is what binds, they are freed, as FSDP2 frees every block after its forward. A wrong guess
+        (the graph changed) only costs memory: the unit stays gathered until its gradients are
+        reduced or the backward ends."""
         i = len(self.current) - 1
         if i >= len(self.previous) or self.previous[i] is not unit:
             return False
@@ -69,8 +76,8 @@ class UnitOrder:
             return False  # it runs again in this forward: that later use decides
         ahead = sum(u.numel for u in later)
         if ahead == 0:
-            return self.enabled and self.prefetch_numel != 0
-        prefetched_first = len(later) == 1 and self.enabled and self.prefetch_numel != 0
+            return self.keep_tail
+        prefetched_first = len(later) == 1 and self.keep_tail
         if not prefetched_first and 2 * ahead > self.max_reuse_numel:
             return False
         held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.gathered)
@@ -131,3 +138,28 @@ class UnitOrder:
                     later.maybe_free()
                 return i
         return None
+
+
+def prefetch_together(units: list[Unit]) -> None:
+    """Issue the all-gathers of `units` (those not gathered or in flight), as one collective
+    where their buffers allow (prefetch_flats)."""
+    prefetch_flats([f for u in units for f in u.flats])
+
+
+def prefetch_flats(flats: list[FlatParam]) -> None:
+    """Issue the all-gathers of the sharded buffers among `flats`; as one collective where they fit
+    one bucket (allgather_bucket_size) in one dtype. They share one Pending: whichever is completed
+    first copies every buffer out of the bucket. Why: a gloo collective has a fixed cost beside its bytes."""
+    due = [f for f in flats if f.state is ParamState.SHARDED]
+    first = due[0] if due else None
+    if len(due) < 2 or sum(f.layout.padded_numel for f in due) > first.buckets.gather or \
+            any(f.full.dtype != first.full.dtype or f.comm is not first.comm for f in due):
+        for f in due:
+            f.prefetch()
+        return
+    shards = [f._storage_back() for f in due]
+    with torch.no_grad(), first.comm.about(" + ".join(f.label for f in due)):
+        pending = first.comm.gather_together([f.full for f in due], shards, async_op=True)
+    for f in due:
+        f._gathering = pending
+        f._set_state(ParamState.GATHERING)

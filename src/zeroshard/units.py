@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from .config import ConfigError
 from .construct import materialize_
-from .flat_param import FlatParam, ParamState, prefetch_flats
+from .flat_param import FlatParam, ParamState
 from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
@@ -244,10 +244,6 @@ class Unit:
                 tensors, lambda grad: order.before_backward(self), mode="any")
 
 
-def prefetch_together(units: list[Unit]) -> None:
-    """Issue the all-gathers of `units` (those not gathered or in flight), as one collective
-    where their buffers allow (flat_param.prefetch_flats)."""
-    prefetch_flats([f for u in units for f in u.flats])
 
 
 def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, defer_gather: bool,

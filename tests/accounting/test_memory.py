@@ -34,6 +34,10 @@ def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor
     pb = 4 if precision == "fp32" else 2  # bytes of a parameter or gradient element
     psi_all, psi_train = engine.num_parameters(), engine.num_parameters(trainable_only=True)
     formula = adam_formula(psi_all, psi_train, world_size, stage, pb)
+    # Stage 3 in 16 bits keeps no 16-bit shard beside a trainable buffer's fp32 master (each gather
+    # casts the master, as FSDP2 does): 14Ψ/N, the paper's 16Ψ/N less its 2Ψ/N of 16-bit params.
+    cast = stage == 3 and pb == 2
+    formula -= pb * psi_train / world_size if cast else 0
     what = f"{precision} stage {stage}"
     # Padding: fewer than N elements per flat buffer, 16 bytes each at most; Adam's step counters.
     slack = 16 * (world_size - 1) * len(flats) + 8 * len(flats)
@@ -42,7 +46,8 @@ def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor
     # Exact expectations from the layout (what the formula's "up to padding" means).
     shard = lambda f: f.layout.shard_numel if stage else f.layout.padded_numel  # noqa: E731
     assert stats["params"] == pb * sum(f.layout.shard_numel if stage == 3 else f.layout.padded_numel
-                                       for f in flats)
+                                       for f in flats if not (cast and f.trainable))
+    assert not cast or not any(f.persistent for f in flats)  # (a kept-gathered buffer keeps its shard)
     assert stats["grads"] == pb * sum(f.layout.shard_numel if stage >= 2 else f.layout.padded_numel
                                       for f in flats if f.trainable)
     k = 8 if pb == 4 else 12  # Adam's two moments, and the fp32 master where it is a copy
@@ -55,7 +60,20 @@ def _measure_stage(stage: int, world_size: int, x: torch.Tensor, y: torch.Tensor
     close(measured - library, 0, atol=16 * 1024, what=f"{what} census beyond memory_stats()")
     close(measured, formula, atol=slack + stats["buffers"] + 16 * 1024,
           what=f"{what} census against the paper")
+    _check_after_step(engine, stats, stage, what)
     return measured
+
+
+def _check_after_step(engine, before: dict, stage: int, what: str) -> None:
+    """After the step, stages 2-3 hold no gradient until the next backward (so the forward, where
+    activations peak, has none), and nothing else keeps it alive; stages 0-1 keep theirs."""
+    engine.step()
+    stats = engine.memory_stats()
+    assert stats["grads"] == (0 if stage >= 2 else before["grads"]), (what, stats)
+    assert stats["grads_in_step"] == before["grads"] > 0, (what, stats)
+    assert stats["model_states_in_step"] == before["model_states"], (what, stats)
+    library = stats["model_states"] + stats["buffers"] + stats["temporary"]
+    close(live_tensor_bytes() - library, 0, atol=16 * 1024, what=f"{what} census after the step")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -105,7 +123,8 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                         # reuse counts the later units' forward and backward: 3 later units -> 6 units
                         "reuse": {"stage3_max_reuse_distance": 6 * unit},
                         "reuse, live cap": {"stage3_max_reuse_distance": 6 * unit,
-                                            "stage3_max_live_parameters": "root + 3 units"}}.items():
+                                            "stage3_max_live_parameters": "root + 3 units"},
+                        "CUDA's free tail": {}}.items():
         torch.manual_seed(0)
         model = TinyGPT(d=32, layers=8)
         cap = extra.get("stage3_max_live_parameters")
@@ -115,6 +134,8 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                                       {"zero_optimization": {"stage": 3, **extra},
                                        "zeroshard": {"unit_modules": ["Block"]}})
         root = engine.units[0].numel
+        assert engine.unit_order.keep_tail == (name != "none")  # (with prefetch on gloo; not on CUDA)
+        engine.unit_order.keep_tail &= name != "CUDA's free tail"
         most, kept, most_back = [], [], []
         for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward, backward
             b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
@@ -136,8 +157,10 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     # block is one fewer (the first step has no recorded order yet, and keeps none).
     kept, gathers = {name: r[2] for name, r in results.items()}, {name: r[3] for name, r in results.items()}
     # With prefetch, the last two blocks stay: backward needs the last first and prefetches the other.
+    # On CUDA they are freed too (as FSDP2 does), and gathered again in backward, the last one first.
     assert kept == {"next unit": 2, "none": 0, "3 units": 2, "under a unit": 2, "3 units, live cap": 2,
-                    "reuse": 4, "reuse, live cap": 3}, kept
+                    "reuse": 4, "reuse, live cap": 3, "CUDA's free tail": 0}, kept
+    assert gathers["CUDA's free tail"] == gathers["next unit"] + 2, gathers
     # With prefetch, gathers issued together go out as one collective: the root's with the first
     # block's, and the blocks a bucket prefetches at once ("3 units").
     single = ("next unit", "under a unit", "reuse", "reuse, live cap")
@@ -147,6 +170,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     assert gathers["3 units"] <= gathers["3 units, live cap"] < gathers["next unit"], gathers
     back = {name: r[4] for name, r in results.items()}
     assert back["3 units, live cap"] <= 2 and back["none"] == 1 and back["next unit"] == 2, back
+    assert back["CUDA's free tail"] == 2, back
     assert results["reuse"][0] == 4  # blocks 4-6 kept, and block 7 running
     assert len({tuple(losses) for _, losses, _, _, _ in results.values()}) == 1  # bit-identical losses
 

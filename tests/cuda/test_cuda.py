@@ -74,7 +74,7 @@ def _zeroshard_losses(stage: int, precision: str, build_under_init: bool = False
             assert flat.host.staging is None or flat.host.staging.is_pinned()
         if flat.shard_on_host:
             assert flat.shard.is_pinned()  # (a frozen buffer has no gradient)
-            assert not flat.trainable or flat.grad_shard.device == engine.device
+            assert not flat.trainable or flat.local_grad().device == engine.device
 
     def step(x, y, sometimes):
         loss = loss_fn(engine(x, use_sometimes=sometimes).float(), y)

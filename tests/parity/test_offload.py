@@ -69,7 +69,7 @@ def _expected_places(engine) -> tuple[int, int]:
         if f.trainable and cfg.offload_optimizer:
             host += 12 * shard + 4
             if not engine.copier.one_memory:
-                transfer += f.grad_shard.element_size() * shard + (0 if off_params else compute * shard)
+                transfer += f.grad_dtype.itemsize * shard + (0 if off_params else compute * shard)
     return host + transfer, transfer
 
 
@@ -94,9 +94,12 @@ def _parity(rank: int, world_size: int) -> None:
                     stats["model_states"] + stats["buffers"] + stats["temporary"] + transfer, what
                 # What left the device is what the host took on: the optimizer state (and its fp32
                 # master) and the offloaded shards. Only fp32 with the shards alone on the host adds
-                # to the device: an fp32 master for the optimizer there (the shards can't be it).
+                # to the device: an fp32 master for the optimizer there (the shards can't be it). And
+                # a 16-bit stage-3 shard kept on the device for a master on the host (in place, the
+                # gather casts the device master: no such shard).
                 ref_stats, zero = ref.memory_stats(), extra["zero_optimization"]
-                expected = ref_stats["device"] - (stats["params"] if "offload_param" in zero else 0)
+                on_host = sum(f.shard.nbytes for f in engine.flats if f.shard_on_host)
+                expected = ref_stats["device"] - ref_stats["params"] + stats["params"] - on_host
                 if "offload_optimizer" in zero:
                     expected -= ref_stats["optimizer"]
                 else:

@@ -82,11 +82,14 @@ def _bf16(rank: int, world_size: int) -> None:
 
 
 def _check_bf16_memory(engine, stage: int, n: int) -> None:
-    """2Ψ bf16 params + 2Ψ bf16 grads + 12Ψ fp32 master and Adam, split by stage as in the paper."""
+    """2Ψ bf16 params + 2Ψ bf16 grads + 12Ψ fp32 master and Adam, split by stage as in the paper
+    (except that stage 3 keeps no bf16 shard of a trainable buffer: each gather casts the master)."""
     stats = engine.memory_stats()
     psi, psi_t = engine.num_parameters(), engine.num_parameters(trainable_only=True)
     expected = zeroshard.paper_model_state_bytes(psi_t, n, stage, 2, 2, 12) + \
         (2 * (psi - psi_t) / (n if stage == 3 else 1))  # frozen parameters: bf16 values only
+    if stage == 3:  # (a buffer kept gathered keeps its shard)
+        expected -= 2 * sum(f.layout.shard_numel for f in engine.flats if f.trainable and not f.persistent)
     slack = 16 * n * len(engine.flats)  # padding (< N elements per buffer) and Adam's step counters
     close(stats["model_states"], expected, atol=slack, what=f"bf16 stage {stage} model states")
     assert stats["temporary"] == 0

@@ -81,7 +81,7 @@ class DDPBaseline:
         params = list(self.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         states = zeroshard.tensor_bytes(params + grads) + zeroshard.optimizer_state_bytes(self.optimizer)
-        return {"model_states": states}
+        return {"model_states": states, "model_states_in_step": states}  # (gradients kept: the same)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())

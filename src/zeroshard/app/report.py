@@ -49,9 +49,9 @@ def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, pgk: tupl
     header = ("rank", "params", "grads", "optimizer", "states", "paper")
     lines = [f"{header[0]:>6} " + " ".join(f"{h:>10}" for h in header[1:]) + "  (MiB)"]
     for rank, s in enumerate(per_rank):
-        lines.append(f"{rank:>6} {s['params'] / MIB:>10.2f} {s['grads'] / MIB:>10.2f} "
+        lines.append(f"{rank:>6} {s['params'] / MIB:>10.2f} {s['grads_in_step'] / MIB:>10.2f} "
                      f"{s['optimizer'] / MIB:>10.2f} "
-                     f"{s['model_states'] / MIB:>10.2f} {formula / MIB:>10.2f}")
+                     f"{s['model_states_in_step'] / MIB:>10.2f} {formula / MIB:>10.2f}")
     if per_rank and per_rank[0].get("host"):  # offload: where the bytes are (transfer buffers included)
         lines.append("offload, rank 0: " + f"{per_rank[0]['device'] / MIB:.2f} MiB on the device, "
                      f"{per_rank[0]['host'] / MIB:.2f} MiB in host memory "
