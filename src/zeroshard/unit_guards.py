@@ -3,6 +3,8 @@
 - Stage 3: the root unit is gathered by the model's forward only; a module holding root parameters
   that is called on its own gathers it first (`gather_root_for_its_parts`).
 - Stage 3: a module's state_dict() outside forward would save empty placeholders: refused.
+- Stage 3: a Hugging Face model's num_parameters() counts the parameters' full shapes, not the
+  empty placeholders (which read 0).
 - Any stage: a module's load_state_dict() that would not reach what training keeps (the fp32 master,
   a shard, a host copy) would be undone by the next step: refused, unless inside
   `engine.gathered_parameters(modifier_rank=...)`, which takes the changes into the training state.
@@ -11,6 +13,7 @@ The hooks hold weak references, so a dropped engine is freed.
 """
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Callable, Protocol
 
@@ -88,6 +91,22 @@ def guard_state_dict(unit: Unit) -> None:
                                f"engine.gathered_parameters():`")
     for m in _modules_holding(unit, only_sharded=True):
         m.register_state_dict_post_hook(refuse)
+
+
+def count_full_shapes(root: nn.Module, units: list[Unit]) -> None:
+    """Stage 3: `root.num_parameters()` (transformers' PreTrainedModel; the same arguments) counts
+    each parameter by its full shape from the layout, where the parameter itself is a placeholder."""
+    if not callable(getattr(root, "num_parameters", None)):
+        return
+    numel = {id(p): slot.numel for u in units for f in u.flats for p, slot in zip(f.params, f.layout.slots)}
+
+    def num_parameters(self: nn.Module, only_trainable: bool = False,
+                       exclude_embeddings: bool = False) -> int:
+        embeddings = {f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)} \
+            if exclude_embeddings else set()
+        return sum(numel.get(id(p), p.numel()) for name, p in self.named_parameters()
+                   if name not in embeddings and (p.requires_grad or not only_trainable))
+    root.num_parameters = types.MethodType(num_parameters, root)
 
 
 def _lost_load(unit: Unit) -> str | None:

@@ -25,7 +25,8 @@ from .flat_param import FlatParam, ParamState
 from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
-from .unit_guards import _eager, gather_root_for_its_parts, guard_load_state_dict, guard_state_dict
+from .unit_guards import _eager, count_full_shapes, gather_root_for_its_parts, guard_load_state_dict, \
+    guard_state_dict
 
 logger = logging.getLogger("zeroshard")
 
@@ -263,6 +264,7 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
             unit.install_stage3_hooks(order)
             guard_state_dict(unit)
         gather_root_for_its_parts(units[0])
+        count_full_shapes(units[0].module, units)
         for module in units[0].module.modules():  # as fully_shard marks what it manages, for the same
             module._is_fsdp_managed_module = True  # readers: transformers then runs every layer on every
             module._fsdp_use_orig_params = True    # rank (layerdrop off) and generates with synced_gpus;

@@ -92,3 +92,25 @@ def _layerdrop(rank: int, world_size: int) -> None:
 
 def test_transformers_sees_a_stage_3_model_as_sharded(tmp_path):
     spawn(_layerdrop, 2)
+
+
+def _counts(model) -> list[int]:
+    return [model.num_parameters(only_trainable=t, exclude_embeddings=e) for t in (False, True)
+            for e in (False, True)]
+
+
+def _parameter_counts(rank: int, world_size: int) -> None:
+    """num_parameters() (every argument) reads the full shapes at stage 3, not the empty
+    placeholders; a tied head counts once, a frozen parameter only without only_trainable."""
+    for make in (_t5, _llama):
+        model = make()
+        next(p for name, p in model.named_parameters() if "norm" in name).requires_grad_(False)
+        expected = _counts(model)
+        assert len(set(expected)) == 4, expected  # each argument makes a difference here
+        zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+        assert all(p.numel() == 0 for p in model.parameters())  # (placeholders: what HF would count)
+        assert _counts(model) == expected, (make.__name__, _counts(model), expected)
+
+
+def test_num_parameters_counts_full_shapes_at_stage_3():
+    spawn(_parameter_counts, 3)
