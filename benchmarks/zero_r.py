@@ -83,7 +83,7 @@ def _trial(rank: int, port: int, layers: int, width: int, batch: int, seq: int, 
             times.append(time.perf_counter() - start)
         stats = engine.memory_stats()
         saved = _saved_bytes(engine, torch.randint(0, 256, (batch, seq), generator=g))
-        results[c.name] = {"psi_tp": engine.num_parameters(), "model_states": stats["model_states"],
+        results[c.name] = {"psi_tp": engine.num_parameters(), "model_states": stats["model_states_in_step"],
                            "ckpt_device": stats["checkpointed_activations"],
                            "ckpt_host": stats["checkpointed_activations_host"], "saved": saved,
                            "gathers": engine.comm_stats()["activation_all_gather"]["calls"],

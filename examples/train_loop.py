@@ -76,7 +76,7 @@ def main() -> None:
             print(f"step {step}: loss {mean:.4f}")
     if rank == 0:
         stats = engine.memory_stats()
-        print(f"model states per rank: {stats['model_states'] / 2**20:.2f} MiB at stage "
+        print(f"model states per rank: {stats['model_states_in_step'] / 2**20:.2f} MiB at stage "
               f"{engine.config.stage} on {world} ranks")
 
 

@@ -71,9 +71,9 @@ class EngineCompat:
         """steps_per_print's line: to the `zeroshard` logger where logging shows INFO, else printed
         (as DeepSpeed's own logger prints it), so the key does something without a logging setup."""
         sent = sum(v["bytes"] for v in self.comm.stats()["last_step"].values())
+        states = self.memory_stats()["model_states_in_step"]
         line = (f"step {self.global_steps}: lr {self.get_lr()}, grad norm {self.last_grad_norm:.4g}, "
-                f"model states {self.memory_stats()['model_states'] / 2**20:.1f} MiB per rank, traffic "
-                f"{sent / 2**20:.1f} MiB last step")
+                f"model states {states / 2**20:.1f} MiB per rank, traffic {sent / 2**20:.1f} MiB last step")
         if logger.isEnabledFor(logging.INFO):
             logger.info(line)
         else:

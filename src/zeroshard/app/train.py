@@ -213,7 +213,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         history.append(zeroshard.mean_over_ranks(loss))
         tokens += x.numel() * dp
         progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
-                             states_MiB=f"{engine.memory_stats()['model_states'] / MIB:.1f}")
+                             states_MiB=f"{engine.memory_stats()['model_states_in_step'] / MIB:.1f}")
         progress.update()
         resumed.first_step_done()
         _checkpoint_if_due(engine, args, history, track)
