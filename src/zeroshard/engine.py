@@ -142,7 +142,6 @@ class Engine(EngineState, EngineCompat):
         self.state = TrainingState.IDLE
         self._world_comm: Comm | None = None  # checkpoints under tp: see _checkpoint_comm
         self.peak_temporary = 0  # most temporary bytes seen alive at once (sampled; see memory_stats)
-        self.grads_at_step = 0  # the gradients' bytes when the last step began (see memory_stats)
 
     def _set_state(self, new: TrainingState) -> None:
         self.state = move(self.state, new, _STATE_MOVES, "the engine")
@@ -282,7 +281,6 @@ class Engine(EngineState, EngineCompat):
                                            self.global_steps, self.config.zero.sub_group_size, delayed,
                                            self._after_update, self.nonfinite)
         self.step_applied = self.skipped_steps == skipped  # (begun, with the delayed update)
-        self._note_grads_at_step()  # (stages 2-3 free them next)
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()

@@ -195,14 +195,11 @@ class EngineState:
         included (stages 2-3 free them after the step, so `model_states` then has none)."""
         self._finish_update()  # the optimizer state is the update's until it ends
         stats = memory.engine_stats(self.flats, self.optimizer, self.module, self.precision.offload,
-                                    self.peak_temporary, self.comm.largest_bucket, self.grads_at_step)
+                                    self.peak_temporary, self.comm.largest_bucket)
         if self.activations is not None:
             stats["checkpointed_activations"] = self.activations.peak["device"]
             stats["checkpointed_activations_host"] = self.activations.peak["host"]
         return stats
-
-    def _note_grads_at_step(self) -> None:
-        self.grads_at_step = sum(memory.buffer_bytes(f)["grads"] for f in self.flats)
 
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at

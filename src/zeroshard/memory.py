@@ -46,6 +46,9 @@ def buffer_bytes(flat: FlatParam) -> dict[str, int]:
     return {
         "params": params,
         "grads": _nbytes(flat.grad_shard) if sharded_g else _nbytes(flat.grad_full),
+        # what a backward allocates and the step holds (stages 2-3 free it after the step)
+        "grads_in_step": flat.layout.shard_numel * flat.grad_dtype.itemsize if sharded_g and flat.trainable
+        else _nbytes(flat.grad_full),
         "master": _nbytes(flat.master) if separate else 0,
         "temporary": temporary_bytes(flat),
         "transfer": flat.host.nbytes if flat.host is not None else 0,  # offload's host buffers
@@ -88,7 +91,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, module: nn.Module, offload: bool,
-                 peak_temporary: int, largest_bucket: int, grads_at_step: int = 0) -> dict[str, int]:
+                 peak_temporary: int, largest_bucket: int) -> dict[str, int]:
     """Engine.memory_stats(): the sum over the flat buffers' own accounts, by category, and by
     place: device + host + disk = model_states + buffers + temporary + transfer."""
     held: Counter = Counter()
@@ -99,7 +102,7 @@ def engine_stats(flats: list[FlatParam], optimizer: torch.optim.Optimizer, modul
     stats = {"params": held["params"], "grads": held["grads"], "optimizer": optim,
              "buffers": tensor_bytes(module.buffers()), "temporary": held["temporary"]}
     stats["model_states"] = stats["params"] + stats["grads"] + stats["optimizer"]
-    stats["grads_in_step"] = max(stats["grads"], grads_at_step)  # stages 2-3 free them after the step
+    stats["grads_in_step"] = held["grads_in_step"]
     stats["model_states_in_step"] = stats["params"] + stats["grads_in_step"] + stats["optimizer"]
     stats["offloaded"] = optim if offload else 0  # the optimizer's, held in host memory
     # By place: offloaded states, and the buffers they travel through, are in host memory, or in
