@@ -132,7 +132,8 @@ class Engine(EngineState, EngineCompat):
                                     config.zero.stage3_max_live_parameters,
                                     config.zero.stage3_max_reuse_distance, self.reducer.reduce_ready,
                                     keep_tail=comm.device.type != "cuda")
-        install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank)
+        install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank,
+                      comm.world_size)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
         self._buffers = persistent_buffers(module)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)

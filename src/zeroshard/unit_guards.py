@@ -5,6 +5,9 @@
 - Stage 3: a module's state_dict() outside forward would save empty placeholders: refused.
 - Stage 3: a Hugging Face model's num_parameters() counts the parameters' full shapes, not the
   empty placeholders (which read 0).
+- Any stage: a Hugging Face model's resize_token_embeddings(n) is refused: the flat layout (and the
+  optimizer's state) was fixed at initialize, so a new shape could only break or go untrained.
+- Stage 3 over several ranks: layerdrop that draws per rank is turned off (`keep_every_layer`).
 - Any stage: a module's load_state_dict() that would not reach what training keeps (the fp32 master,
   a shard, a host copy) would be undone by the next step: refused, unless inside
   `engine.gathered_parameters(modifier_rank=...)`, which takes the changes into the training state.
@@ -13,6 +16,7 @@ The hooks hold weak references, so a dropped engine is freed.
 """
 from __future__ import annotations
 
+import logging
 import types
 import weakref
 from typing import Callable, Protocol
@@ -21,6 +25,8 @@ import torch
 from torch import nn
 
 from .flat_param import FlatParam, ParamState
+
+logger = logging.getLogger("zeroshard")
 
 
 class Unit(Protocol):
@@ -107,6 +113,42 @@ def count_full_shapes(root: nn.Module, units: list[Unit]) -> None:
         return sum(numel.get(id(p), p.numel()) for name, p in self.named_parameters()
                    if name not in embeddings and (p.requires_grad or not only_trainable))
     root.num_parameters = types.MethodType(num_parameters, root)
+
+
+def refuse_resize(root: nn.Module) -> None:
+    """`root.resize_token_embeddings(n)` (transformers) raises a clear error naming the fix; with no
+    size it only returns the input embeddings, as before."""
+    resize = getattr(root, "resize_token_embeddings", None)
+    if not callable(resize):
+        return
+
+    def resize_token_embeddings(self: nn.Module, new_num_tokens: int | None = None,
+                                pad_to_multiple_of: int | None = None, *args, **kwargs) -> nn.Module:
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return self.get_input_embeddings()
+        raise RuntimeError("resize_token_embeddings() after zeroshard.initialize(): the parameters were "
+                           "flattened (and sharded) with their shapes at initialize, and the optimizer's "
+                           "state with them. Resize before initialize (with ZeroTrainer: before creating "
+                           "the trainer), as with DeepSpeed.")
+    root.resize_token_embeddings = types.MethodType(resize_token_embeddings, root)
+
+
+def keep_every_layer(root: nn.Module, warn: bool) -> None:
+    """Stage 3 over several ranks: a module's `layerdrop` (transformers' BART family: each training
+    forward skips a layer when its own torch.rand draw says so) is set to 0. Each rank draws from its
+    own generator, so ranks would skip different layers and gather different units: the collectives no
+    longer match (gloo aborts, NCCL hangs or mixes up shards). transformers' own ZeRO-3/FSDP answer for
+    the models that read `_is_fsdp_managed_module` (wav2vec2) is the same: every rank runs every layer."""
+    dropping = [(name or "<root>", m.layerdrop) for name, m in root.named_modules()
+                if isinstance(getattr(m, "layerdrop", None), (int, float)) and m.layerdrop > 0]
+    for name, _ in dropping:
+        root.get_submodule("" if name == "<root>" else name).layerdrop = 0.0
+    if dropping and warn:
+        logger.warning("stage 3: layerdrop turned off on %s: ranks would skip different layers by their "
+                       "own random draws, and stage 3 gathers a layer's parameters on every rank together; "
+                       "every rank now runs every layer (as transformers does under DeepSpeed ZeRO-3 and "
+                       "FSDP). For layerdrop, use stage 1 or 2.",
+                       ", ".join(f"{n} ({p:g})" for n, p in dropping))
 
 
 def _lost_load(unit: Unit) -> str | None:

@@ -26,7 +26,7 @@ from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
 from .unit_guards import _eager, count_full_shapes, gather_root_for_its_parts, guard_load_state_dict, \
-    guard_state_dict
+    guard_state_dict, keep_every_layer, refuse_resize
 
 logger = logging.getLogger("zeroshard")
 
@@ -248,7 +248,7 @@ class Unit:
 
 
 def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, defer_gather: bool,
-                  rank: int) -> bool:
+                  rank: int, world_size: int) -> bool:
     """Stage 3: gather/free hooks on every unit. Stages 1-2 with zeroshard.defer_param_gather: the
     post-step all-gather is issued, not waited for, and each module waits for its unit's right
     before its forward, so the gather hides behind the forward's compute. Every stage: a module's
@@ -265,6 +265,8 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
             guard_state_dict(unit)
         gather_root_for_its_parts(units[0])
         count_full_shapes(units[0].module, units)
+        if world_size > 1:
+            keep_every_layer(units[0].module, warn=rank == 0)
         for module in units[0].module.modules():  # as fully_shard marks what it manages, for the same
             module._is_fsdp_managed_module = True  # readers: transformers then runs every layer on every
             module._fsdp_use_orig_params = True    # rank (layerdrop off) and generates with synced_gpus;
@@ -277,4 +279,5 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
                 flat.gather_behind_forward = True
     for unit in units:  # after the deferred gather's wait: a load judges the gathered parameters
         guard_load_state_dict(unit)
+    refuse_resize(units[0].module)
     return deferred

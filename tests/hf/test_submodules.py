@@ -94,6 +94,48 @@ def test_transformers_sees_a_stage_3_model_as_sharded(tmp_path):
     spawn(_layerdrop, 2)
 
 
+def _bart(layerdrop: float):
+    import transformers
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0, encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop))
+
+
+def _bart_layerdrop(rank: int, world_size: int) -> None:
+    """BART draws its layerdrop from the global generator and ignores is_fsdp_managed_module: ranks
+    drawing differently would gather different layers (unmatched all-gathers: gloo aborts the
+    process). Stage 3 turns layerdrop off; every rank then runs the model a layerdrop-free one is."""
+    model, reference = _bart(0.5), _bart(0.0)
+    ran: list[str] = []
+    for name, layer in model.named_modules():
+        if name.endswith(tuple(f"layers.{i}" for i in range(3))):
+            layer.register_forward_pre_hook(lambda module, args, name=name: ran.append(name))
+    engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+    assert model.model.encoder.layerdrop == model.model.decoder.layerdrop == 0
+    for step in range(3):
+        torch.manual_seed(100 * rank + step)  # each rank draws its own layers to drop
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        loss = engine(input_ids=ids, labels=ids).loss
+        expected = reference(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        engine.backward(loss)
+        engine.step()
+        expected.backward()
+        _sgd(reference.parameters()).step()
+        reference.zero_grad()
+    assert len(ran) == 6 * 3, ran  # every layer, every step, on every rank
+    model = _bart(0.5)  # stages 1-2 gather nothing per layer: layerdrop stays
+    zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 2}})
+    assert model.model.encoder.layerdrop == 0.5
+    _resize_refused(model)
+
+
+def test_bart_layerdrop_is_turned_off_at_stage_3():
+    spawn(_bart_layerdrop, 2)
+
+
 def _counts(model) -> list[int]:
     return [model.num_parameters(only_trainable=t, exclude_embeddings=e) for t in (False, True)
             for e in (False, True)]
@@ -110,6 +152,14 @@ def _parameter_counts(rank: int, world_size: int) -> None:
         zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
         assert all(p.numel() == 0 for p in model.parameters())  # (placeholders: what HF would count)
         assert _counts(model) == expected, (make.__name__, _counts(model), expected)
+        _resize_refused(model)
+
+
+def _resize_refused(model) -> None:
+    """resize_token_embeddings(n) after initialize would change a flattened parameter's shape."""
+    assert model.resize_token_embeddings() is model.get_input_embeddings()
+    with pytest.raises(RuntimeError, match="Resize before initialize"):
+        model.resize_token_embeddings(80)
 
 
 def test_num_parameters_counts_full_shapes_at_stage_3():
