@@ -193,6 +193,7 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
     (["train", "--stage", "2", "--offload-param"], "offload_param needs zero_optimization.stage 3"),
     (["train", "--offload-optimizer", "disk"], "invalid choice"),
     (["train", "--offload-optimizer", "nvme"], "needs zero_optimization.offload_optimizer.nvme_path"),
+    (["train", "--nvme-path", "/tmp"], "--nvme-path /tmp: nothing is offloaded to nvme"),
     (["train", "--nproc", "4", "--tp", "3"], "--tp 3 must be >= 1 and divide --nproc 4"),
     (["train", "--nproc", "4", "--tp", "4", "--size", "tiny"], "tp = 4 does not divide the model's heads"),
     (["bogus"], "invalid choice"),
