@@ -74,7 +74,8 @@ class TrainArgs:
                 raw["zero_optimization"][key] = section
             if self.nvme_path is not None and raw["zero_optimization"].get(key, {}).get("device") == "nvme":
                 raw["zero_optimization"][key]["nvme_path"] = self.nvme_path
-        if self.nvme_path is not None and not any(raw["zero_optimization"].get(key, {}).get("device") == "nvme"
+        zero = raw["zero_optimization"]
+        if self.nvme_path is not None and not any(zero.get(key, {}).get("device") == "nvme"
                                                   for key in ("offload_optimizer", "offload_param")):
             raise zeroshard.ConfigError(f"--nvme-path {self.nvme_path}: nothing is offloaded to nvme; add "
                                         f"--offload-optimizer nvme and/or --offload-param nvme, or drop "
