@@ -18,6 +18,9 @@ digest. Three ways in:
   (full_state_dict(), gathered_parameters() at stage 3): the ranks meet in the store first, so one
   that entered alone is found stalled there, never paired with a peer's other collective.
 
+A rank whose process exits says so in the store (atexit): a peer waiting for it in a collective or a
+gate is told at once (`if rank == 0: engine.full_state_dict()` at a script's end), not at the timeout.
+
 Any way, the rank publishes its recent history to the store, waits a grace period for its peers'
 and raises `DivergenceError` naming the first call where the histories differ and the likely cause.
 The store is used because a timed-out group is unusable. On CUDA a bounded wait would block the host
@@ -39,12 +42,12 @@ import torch.distributed as dist
 
 from .devices import abandon_group
 from .diverge_report import Clock, Fingerprint, explain
+from .diverge_store import SLICE_S, default_store, exchange_histories, exited_peers, tell_peers_at_exit
 
 logger = logging.getLogger("zeroshard")
 
-_SLICE_S = 1.0        # a bounded wait looks for a peer's alarm this often
-_GRACE_S = 30.0       # how long a diagnosing rank waits for its peers' histories (at most)
 _KEEP = 512           # fingerprints kept per rank: enough to reach back past one step of a big model
+_WARN_S = 10.0        # a gate waited this long for a peer: say what is likely wrong (once)
 _instances = 0        # engines created in this process, in the same order on every rank
 
 
@@ -65,11 +68,13 @@ class Watch:
         self.clock = Clock()
         self.recent: deque[Fingerprint] = deque(maxlen=_KEEP)
         self.count, self.digest, self.checks, self.gates = 0, 0, 0, 0
+        self.gate_warned = False
         self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
         self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"zeroshard/{restart}/{_instances}/{space}"
-        self.store = _default_store()
+        self.store = default_store()
+        tell_peers_at_exit(self)
 
     def record(self, kind: str, label: str, bucket: int, numel: int, dtype: Any) -> None:
         c = self.clock
@@ -88,10 +93,10 @@ class Watch:
             return
         # (gloo's own reduce-scatter ignores the timeout; comm.py does reduce-scatters on gloo as an
         # all-to-all, which honours it.)
-        deadline = time.monotonic() + self.timeout
+        deadline, exited_before = time.monotonic() + self.timeout, []
         while True:
             try:
-                work.wait(timeout=timedelta(seconds=min(_SLICE_S, self.timeout)))
+                work.wait(timeout=timedelta(seconds=min(SLICE_S, self.timeout)))
                 return
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():
@@ -105,6 +110,10 @@ class Watch:
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
                                     f"rank's") from None
+            if exited_before:  # (seen a slice ago: what it sent before exiting has been taken by now)
+                raise self.diagnose(f"stalled in a collective, and rank(s) {exited_before} have exited "
+                                    f"(their script ended, or failed, without this call)") from None
+            exited_before = exited_peers(self)
 
     def _differing_peer(self) -> int | None:
         """Publish this stalled rank's mark (count, digest); the first peer whose published mark
@@ -180,26 +189,39 @@ class Watch:
         keys = [f"{self.prefix}gate/{self.gates}/{r}" for r in range(self.world_size)]
         self.store.set(keys[self.rank], token)
         self._count_store(token)
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
         while not self._all_set(keys):
             if self._alarm_raised():
                 raise self.diagnose(f"a peer found a divergence while this rank waited to enter {call}")
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"{call} is collective, and rank {peer} is in another collective")
-            if time.monotonic() >= deadline:
+            absent = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
+            if (gone := exited_peers(self, absent)) and not self.store.check(keys):
+                raise self.diagnose(f"{call} is collective, and rank(s) {gone} exited without calling it: "
+                                    f"call it on every rank, then write files on rank 0 alone")
+            waited = time.monotonic() - start
+            if waited >= self.timeout:
                 raise self.diagnose(f"{call} is collective, and not every rank entered it within "
                                     f"{self.timeout:g} s (zeroshard.collective_timeout)")
+            if waited >= _WARN_S and not self.gate_warned:
+                self.gate_warned = True
+                logger.warning("rank %d has waited %.0f s in %s for rank(s) %s: it is collective (so are "
+                               "the saves that call it), so every rank must call it, not only rank 0; if "
+                               "they do not, this ends at zeroshard.collective_timeout (%g s)", self.rank,
+                               waited, call, absent, self.timeout)
         if self.gates > 1:  # every rank has passed the previous gate: each has set this one's key
             self.store.delete_key(f"{self.prefix}gate/{self.gates - 1}/{self.rank}")
         if self.store.get(keys[0]) != token:
             raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {call}")
 
     def _all_set(self, keys: list[str]) -> bool:
-        try:
-            self.store.wait(keys, timedelta(seconds=min(_SLICE_S, self.timeout)))
-            return True
-        except RuntimeError:  # (the store's timeout)
-            return False
+        """Are all `keys` set within one slice? Polled: a timed-out store.wait() logs two c10d warnings."""
+        end = time.monotonic() + min(SLICE_S, self.timeout)
+        while not self.store.check(keys):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _count_store(self, payload: bytes) -> None:
         self.store_traffic["calls"] += 1
@@ -220,39 +242,9 @@ class Watch:
             return DivergenceError(f"rank {self.rank}: {reason}; no c10d store to compare ranks with")
         histories = {self.rank: (list(self.recent), self.clock)}
         try:
-            self._exchange_histories(histories)
+            exchange_histories(self, histories)
         except dist.DistError as e:  # the store's host (global rank 0) exited: report what we have
             reason += f" (the c10d store went away: {type(e).__name__})"
         message = explain(histories, self.world_size)
         logger.error("rank %d: %s", self.rank, message)
         return DivergenceError(f"rank {self.rank}: {reason}.\n{message}")
-
-    def _exchange_histories(self, histories: dict) -> None:
-        """Publish this rank's history and collect the peers' within the grace period. Then say
-        `done` and wait (briefly) for every peer whose history was read to say it too: the store
-        lives in global rank 0's process, and a rank that raised and exited first would pull it from
-        under a peer still reading (it got `Connection reset`, not the diagnosis)."""
-        self.store.set(f"{self.prefix}alarm", str(self.rank))
-        self.store.set(f"{self.prefix}history/{self.rank}", pickle.dumps(histories[self.rank]))
-        deadline = time.monotonic() + min(_GRACE_S, self.timeout) + 5 * _SLICE_S
-        while len(histories) < self.world_size and time.monotonic() < deadline:
-            for r in range(self.world_size):
-                key = f"{self.prefix}history/{r}"
-                if r not in histories and self.store.check([key]):
-                    histories[r] = pickle.loads(self.store.get(key))
-            time.sleep(0.05)
-        self.store.set(f"{self.prefix}done/{self.rank}", "1")
-        try:  # (the histories are in hand: a store gone now is the host leaving after the others)
-            done = [f"{self.prefix}done/{r}" for r in histories]
-            deadline = time.monotonic() + 5 * _SLICE_S
-            while not self.store.check(done) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        except dist.DistError:
-            pass
-
-
-def _default_store() -> "dist.Store | None":
-    try:  # torch keeps the default group's store privately; without it only timeouts are diagnosed
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None

@@ -3,6 +3,8 @@
 - Stage 3: the root unit is gathered by the model's forward only; a module holding root parameters
   that is called on its own gathers it first (`gather_root_for_its_parts`).
 - Stage 3: a module's state_dict() outside forward would save empty placeholders: refused.
+- Stage 3: a Hugging Face model's save_pretrained() outside gathered_parameters() is refused
+  before it writes anything (its state_dict() would be refused after config.json).
 - Stage 3: a Hugging Face model's num_parameters() counts the parameters' full shapes, not the
   empty placeholders (which read 0).
 - Any stage: a Hugging Face model's resize_token_embeddings(n) is refused: the flat layout (and the
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import types
 import weakref
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -93,10 +95,31 @@ def guard_state_dict(unit: Unit) -> None:
             raise RuntimeError(f"state_dict() of '{prefix.rstrip('.') or 'the model'}' at stage 3 "
                                f"outside forward: its parameters are sharded (empty here) and would be "
                                f"saved as empty tensors. Use engine.full_state_dict(), "
-                               f"engine.save_checkpoint(), or call it inside `with "
-                               f"engine.gathered_parameters():`")
+                               f"engine.save_checkpoint() (ZeroTrainer: trainer.save_model()), or call "
+                               f"it inside `with engine.gathered_parameters():`")
     for m in _modules_holding(unit, only_sharded=True):
         m.register_state_dict_post_hook(refuse)
+
+
+def guard_save_pretrained(root: nn.Module, units: list[Unit]) -> None:
+    """Stage 3: `root.save_pretrained(dir)` (transformers) outside gathered_parameters() would fail
+    at its state_dict() after writing config.json: refused before anything is written. Given a
+    `state_dict` (ZeroTrainer.save_model passes the gathered one), it saves that, as before."""
+    save = getattr(root, "save_pretrained", None)
+    if not callable(save):
+        return
+    live = [weakref.ref(u) for u in units]
+
+    def save_pretrained(self: nn.Module, *args, **kwargs) -> Any:
+        if kwargs.get("state_dict") is None and any(
+                f.state is not ParamState.GATHERED for u in map(lambda r: r(), live) if u is not None
+                for f in u.flats if not f.persistent):
+            raise RuntimeError("save_pretrained() at stage 3: the parameters are sharded (empty here). "
+                               "Save on every rank with trainer.save_model(dir) (ZeroTrainer) or "
+                               "engine.save_16bit_model(dir) (rank 0 writes), or inside `with "
+                               "engine.gathered_parameters():`. Nothing was written.")
+        return save(*args, **kwargs)
+    root.save_pretrained = types.MethodType(save_pretrained, root)
 
 
 def count_full_shapes(root: nn.Module, units: list[Unit]) -> None:

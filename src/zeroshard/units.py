@@ -26,7 +26,7 @@ from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
 from .unit_guards import _eager, count_full_shapes, gather_root_for_its_parts, guard_load_state_dict, \
-    guard_state_dict, keep_every_layer, refuse_resize
+    guard_save_pretrained, guard_state_dict, keep_every_layer, refuse_resize
 
 logger = logging.getLogger("zeroshard")
 
@@ -265,6 +265,7 @@ def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, de
             guard_state_dict(unit)
         gather_root_for_its_parts(units[0])
         count_full_shapes(units[0].module, units)
+        guard_save_pretrained(units[0].module, units)
         if world_size > 1:
             keep_every_layer(units[0].module, warn=rank == 0)
         for module in units[0].module.modules():  # as fully_shard marks what it manages, for the same

@@ -7,6 +7,7 @@ is left with a collective in flight cannot tear it down cleanly, so the workers 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing as mp
 import os
@@ -88,6 +89,11 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
             if rank == 0 and step == 2:
                 engine.save_checkpoint(os.path.join(directory, "ckpt"))
             zeroshard.mean_over_ranks(loss_fn(engine(x), x).detach())
+    if fault == "export_at_end" and rank == 0:  # the habit `if rank == 0: save` at a script's end,
+        engine.full_state_dict()                 # while rank 1's script ends
+    if fault == "forward_at_end" and rank == 0:
+        with torch.no_grad():
+            engine(x)
 
 
 def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str, timeout: float) -> None:
@@ -109,6 +115,8 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     result["seconds"] = time.monotonic() - start
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
+    if fault.endswith("_at_end"):
+        atexit._run_exitfuncs()  # a script's end: its exit hooks run
     os._exit(0)  # a collective may still be in flight: no orderly teardown of the group
 
 
@@ -200,6 +208,18 @@ def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault:
         assert f"Likely cause: {call} called on some ranks only" in result["message"], result
     if fault == "gathered_alone":  # below stage 3 a read issues no collective: rank 0 may, alone
         assert all(r["error"] is None for r in _drill(2, fault, str(tmp_path))), "stage 2"
+
+
+@pytest.mark.parametrize("fault,where", [("export_at_end", "full_state_dict() is collective"),
+                                         ("forward_at_end", "rank 0: ")])
+def test_a_peer_that_exited_is_named_at_once(tmp_path, fault: str, where: str) -> None:
+    """Rank 0 alone calls a collective at the script's end, and rank 1's script ends: its exit hook
+    marks it exited in the store, so rank 0 is told in seconds, not at collective_timeout."""
+    first, second = _drill(3, fault, str(tmp_path), timeout=PATIENT)
+    assert second["error"] is None, second
+    assert first["error"] == "DivergenceError", first
+    assert first["seconds"] < 15, f"rank 0 waited for the timeout: {first}"
+    assert where in first["message"] and "[1]" in first["message"] and "exited" in first["message"], first
 
 
 def test_a_diverged_torchrun_job_exits(tmp_path) -> None:

@@ -3,6 +3,8 @@ gathers the root first (T5's generate() runs its encoder itself; `get_input_embe
 inputs_embeds; the base model called directly), and under no_grad frees it again."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _direct_calls(rank: int, world_size: int) -> None:
+def _direct_calls(rank: int, world_size: int, directory: str) -> None:
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     reference, model = _t5(), _t5()
     zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
@@ -58,10 +60,27 @@ def _direct_calls(rank: int, world_size: int) -> None:
     full = engine.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _save_pretrained(engine, rank, directory, full)
 
 
-def test_root_modules_called_on_their_own_at_stage_3():
-    spawn(_direct_calls, 2)
+def _save_pretrained(engine, rank: int, directory: str, full: dict) -> None:
+    """save_pretrained() outside gathered_parameters() is refused before it writes config.json;
+    inside, it saves the full weights."""
+    import transformers
+    refused, saved = os.path.join(directory, "refused"), os.path.join(directory, "saved")
+    with pytest.raises(RuntimeError, match="Nothing was written"):
+        engine.module.save_pretrained(refused)
+    assert not os.path.exists(refused)
+    with engine.gathered_parameters():
+        engine.module.save_pretrained(saved, is_main_process=rank == 0)
+    engine.comm.barrier()
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(saved).state_dict()
+    for name, value in full.items():
+        assert torch.equal(reloaded[name], value), name
+
+
+def test_root_modules_called_on_their_own_at_stage_3(tmp_path):
+    spawn(_direct_calls, 2, str(tmp_path))
 
 
 def _layerdrop(rank: int, world_size: int) -> None:
