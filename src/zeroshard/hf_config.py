@@ -98,6 +98,10 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
     if schedule is not None:
         fill_scheduler(schedule, args, steps=None)  # likewise; the number of steps comes later
         cfg["scheduler"] = schedule
+    if _get(cfg, "zero_optimization.stage") is None:  # the default, 0, would shard nothing, silently
+        raise ConfigError("zero_config has no 'zero_optimization.stage': ZeroTrainer does not pick one "
+                          "(the default, 0, would shard nothing); write it, e.g. "
+                          "{\"zero_optimization\": {\"stage\": 3}} (0 for plain data parallelism)")
     return cfg
 
 

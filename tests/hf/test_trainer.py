@@ -146,7 +146,8 @@ def _two_ranks(rank: int, world_size: int, out: str) -> None:
     # fp16 whose loss scale overflows every step: each step is skipped, and the lr schedule waits.
     fp16 = ZeroTrainer(model=_model("bert"), train_dataset=train, args=_args(
         f"{out}/fp16", eval_strategy="no", max_steps=3, warmup_steps=0, fp16=True), zero_config={
-            "fp16": {"enabled": "auto", "initial_scale_power": 127, "hysteresis": 1}})
+            "fp16": {"enabled": "auto", "initial_scale_power": 127, "hysteresis": 1},
+            "zero_optimization": {"stage": 0}})
     fp16.train()
     results["fp16"] = {**_logged(fp16), "skipped": fp16.engine.skipped_steps}
     if rank == 0:
@@ -320,6 +321,14 @@ def test_auto_stage_is_refused(tmp_path, keep_rng):
         _trainer(tmp_path, {"zero_optimization": {"stage": "auto"}})
 
 
+@pytest.mark.parametrize("config", [None, {}, {"bf16": {"enabled": "auto"}},
+                                    {"zero_optimization": {"overlap_comm": True}}])
+def test_a_missing_stage_is_refused(tmp_path, keep_rng, config):
+    """The default stage, 0, would shard nothing: ZeroTrainer makes the user write it."""
+    with pytest.raises(zeroshard.ConfigError, match="zero_config has no 'zero_optimization.stage'"):
+        _trainer(tmp_path, config)
+
+
 def test_auto_is_refused_by_initialize():
     with pytest.raises(zeroshard.ConfigError, match="'bf16.enabled' is \"auto\": a placeholder that "
                                                     "zeroshard.hf.ZeroTrainer fills"):
@@ -346,7 +355,7 @@ def test_a_checkpoint_without_zeroshard_state_is_refused(tmp_path, keep_rng):
     other = tmp_path / "checkpoint-2"  # as Trainer + DDP, or save_only_model, would leave it
     other.mkdir()
     with pytest.raises(ValueError, match="holds no zeroshard state"):
-        _trainer(tmp_path).train(resume_from_checkpoint=str(other))
+        _trainer(tmp_path, SEED_CONFIG).train(resume_from_checkpoint=str(other))
 
 
 def test_a_deepspeed_scheduler_section_runs_as_in_deepspeed(tmp_path, keep_rng, own_group):
@@ -408,7 +417,8 @@ def test_one_process_seeing_several_gpus_keeps_its_micro_batch(tmp_path, keep_rn
     from zeroshard.hf import ZeroTrainer
     args = _args(str(tmp_path), eval_strategy="no")
     args._n_gpu = 2  # as on a machine where one process sees two GPUs
-    trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 12, 0))
+    trainer = ZeroTrainer(model=_model("bert"), args=args, train_dataset=_data("bert", 12, 0),
+                          zero_config=SEED_CONFIG)
     assert trainer.args.n_gpu == 1 and trainer._train_batch_size == 3
     assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape[0] == 3
 
@@ -422,14 +432,14 @@ def test_the_group_matches_the_processes_trainer_counts(tmp_path, keep_rng, own_
         raise InterruptedError
     monkeypatch.setattr(hf_trainer, "ensure_process_group", stop)
     with pytest.raises(InterruptedError):  # use_cpu: gloo, even where CUDA would make NCCL the default
-        _trainer(tmp_path).train()
+        _trainer(tmp_path, SEED_CONFIG).train()
     assert started == ["gloo"]
     monkeypatch.undo()
     # torchrun on the CPU without use_cpu: two ranks, but accelerate counts one process each
     monkeypatch.setattr(hf_trainer, "rank_and_world_size", lambda: (0, 2))
     with pytest.raises(ValueError, match="process group has 2 ranks but TrainingArguments sees 1 "
                                          r"process\(es\).*use_cpu=True"):
-        _trainer(tmp_path).train()
+        _trainer(tmp_path, SEED_CONFIG).train()
 
 
 def test_a_bfloat16_config_json_builds_fp32_weights(tmp_path):
