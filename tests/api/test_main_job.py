@@ -41,6 +41,9 @@ def test_train_resume_and_consolidate(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
+    # --resume without the run's model flags would build another model: named before any rank starts.
+    forgot = zeroshard_here("train", "--device", "cpu", "--steps", "25", "--out", out, "--resume")
+    assert forgot.returncode == 2 and "started with --size tiny" in forgot.stderr, forgot.stderr
     # Resume on 3 ranks at stage 2, now with optimizer offload and compiled blocks: from step 20.
     second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
                        "--out", out, "--resume", "--offload-optimizer", "--compile").stdout

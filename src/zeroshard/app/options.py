@@ -32,12 +32,29 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
         parser.error(f"--out {args.out} already holds an earlier run's checkpoints (the latest: {latest!r}); "
                      f"a new run would overwrite them: pass --resume to continue that run, or another --out")
     try:
-        done = len((zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("losses", []))
-    except (zeroshard.CheckpointError, TypeError):
+        client_state = zeroshard.checkpoint_info(checkpoints).get("client_state") or {}
+        done = len(client_state.get("losses", []))
+    except (zeroshard.CheckpointError, TypeError, AttributeError):
         return  # the ranks report an unreadable checkpoint, by name
+    _check_model_flags(parser, args, client_state.get("args") or {})
     if done >= args.steps:
         parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
                      f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
+
+
+_MODEL_FLAGS = ("size", "layers", "width", "hf_config", "seq_len")  # what the model's shapes come from
+
+
+def _check_model_flags(parser: argparse.ArgumentParser, args, saved: dict) -> None:
+    """--resume builds the model from this command's flags: ones that differ from those the run was
+    started with would build another model, which the checkpoint then refuses by missing keys. Name
+    the flags instead."""
+    differ = [name for name in _MODEL_FLAGS if name in saved and saved[name] != getattr(args, name)]
+    if differ:
+        def flags(values: dict) -> str:
+            return " ".join(f"--{n.replace('_', '-')} {values[n]}" for n in differ)
+        parser.error(f"--resume: the run in --out {args.out} was started with {flags(saved)}, and this "
+                     f"command says {flags(vars(args))}: give the run's model flags again ({flags(saved)})")
 
 
 def defaults_from_config(args: argparse.Namespace) -> None:
