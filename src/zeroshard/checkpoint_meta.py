@@ -122,8 +122,12 @@ def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], tra
     theirs = {name: tuple(shape) for name, (shape, _) in meta["shapes"].items()}
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or extra:
+        tied = set(meta.get("extra", {}).get("state_dict_keys", [])) - set(theirs)  # saved as aliases
+        hint = (f"; the checkpoint's model tied {sorted(tied & set(missing))[:5]} to another parameter "
+                f"(shared weights, e.g. tie_word_embeddings) and this one does not: tie them as it did"
+                if tied & set(missing) else "")
         raise CheckpointError(f"checkpoint is from another model: missing {missing[:5]}, "
-                              f"unexpected {extra[:5]}")
+                              f"unexpected {extra[:5]}{hint}")
     wrong = [(n, theirs[n], s) for n, s in ours.items() if theirs[n] != s]
     if wrong:
         name, saved, now = wrong[0]

@@ -31,7 +31,9 @@ def check_model(module: nn.Module, config: Config) -> None:
     params = dict(module.named_parameters())
     if not any(p.requires_grad for p in params.values()):
         raise ValueError("the model has no trainable parameter (all have requires_grad=False); "
-                         "there is nothing to optimize")
+                         "there is nothing to optimize. zeroshard shards models that train: a frozen "
+                         "model used alongside (a reference or teacher model) runs as a plain module, "
+                         "in eval mode and under torch.no_grad()")
     for name, p in params.items():
         if p.is_meta:
             raise ValueError(f"parameter '{name}' is on the meta device; materialize the model "

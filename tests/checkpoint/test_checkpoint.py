@@ -276,6 +276,13 @@ def _bad_checkpoints(rank: int, world_size: int, directory: str) -> None:
     with pytest.raises(zeroshard.CheckpointError,
                        match=r"another model: '[a-z_.]+' has shape \(16, 16\) there, \(20, 20\) here"):
         other.load_checkpoint(os.path.join(directory, "saved"))
+    torch.manual_seed(0)
+    untied = TinyGPT()
+    untied.head.weight = torch.nn.Parameter(untied.tok.weight.detach().clone())  # tie_word_embeddings=False
+    untied = zeroshard.initialize(untied, _adamw, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(zeroshard.CheckpointError, match=r"missing \['head.weight'\].*tied \['head.weight'\] "
+                                                        r"to another parameter"):
+        untied.load_checkpoint(os.path.join(directory, "saved"))
     with pytest.raises(zeroshard.CheckpointError, match="cannot read checkpoint"):
         engine.load_checkpoint(os.path.join(directory, "corrupt"))
     sgd = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 1}})
