@@ -12,12 +12,19 @@ import atexit
 import pickle
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from .diverge import Watch
+
+class Watch(Protocol):
+    """What these functions read of diverge.Watch (stated here, so this module does not import it)."""
+
+    store: "dist.Store | None"
+    prefix: str
+    rank: int
+    world_size: int
+    timeout: float
 
 SLICE_S = 1.0        # a bounded wait looks for a peer's alarm (or exit) this often
 _GRACE_S = 30.0      # how long a diagnosing rank waits for its peers' histories (at most)
@@ -31,7 +38,7 @@ def default_store() -> "dist.Store | None":
         return None
 
 
-def tell_peers_at_exit(watch: "Watch") -> None:
+def tell_peers_at_exit(watch: Watch) -> None:
     """When this process exits (a script's end, an exception), `watch`'s rank is marked exited, so a
     peer waiting for it in a collective or a gate is told at once rather than at the timeout."""
     if not _live:
@@ -48,7 +55,7 @@ def _say_exited() -> None:
             pass
 
 
-def exited_peers(watch: "Watch", among: list[int] | None = None) -> list[int]:
+def exited_peers(watch: Watch, among: list[int] | None = None) -> list[int]:
     """The peers (of `among`; default: all) whose process has exited."""
     if watch.store is None:
         return []
@@ -59,7 +66,7 @@ def exited_peers(watch: "Watch", among: list[int] | None = None) -> list[int]:
         return []
 
 
-def exchange_histories(watch: "Watch", histories: dict) -> None:
+def exchange_histories(watch: Watch, histories: dict) -> None:
     """Publish this rank's history and collect the peers' within the grace period (an exited peer
     publishes none: not waited for). Then say `done` and wait (briefly) for every peer whose history
     was read to say it too: a rank that raised and exited first would take the store from under a

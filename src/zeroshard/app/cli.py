@@ -8,7 +8,8 @@ import os
 import sys
 
 from .gpt import SIZES
-from .options import check_steps_beyond_checkpoint, defaults_from_config, ranks_report_errors, resolve_device
+from .options import check_nvme_path, check_steps_beyond_checkpoint, defaults_from_config, \
+    ranks_report_errors, resolve_device
 
 
 def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
@@ -241,7 +242,9 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
         train_args = TrainArgs(**options)
         check_paths(args.data)
-        accumulation = zeroshard.Config.load(train_args.engine_config()).gradient_accumulation_steps
+        engine_config = train_args.engine_config()
+        check_nvme_path(train_args.nvme_path, engine_config)
+        accumulation = zeroshard.Config.load(engine_config).gradient_accumulation_steps
         for flag, value in (("--steps", train_args.steps), ("--save-every", train_args.save_every)):
             if value % accumulation:  # a checkpoint cannot hold half-accumulated gradients
                 raise ValueError(f"{flag} {value} must be a multiple of gradient_accumulation_steps "

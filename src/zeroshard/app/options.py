@@ -42,6 +42,15 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
                      f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
 
 
+def check_nvme_path(nvme_path: str | None, engine_config: dict) -> None:
+    """--nvme-path is only where nvme offload writes: given with nothing offloaded there, say so."""
+    zero = engine_config.get("zero_optimization", {})
+    if nvme_path is not None and not any(zero.get(key, {}).get("device") == "nvme"
+                                         for key in ("offload_optimizer", "offload_param")):
+        raise ValueError(f"--nvme-path {nvme_path}: nothing is offloaded to nvme; add --offload-optimizer "
+                         f"nvme and/or --offload-param nvme, or drop --nvme-path")
+
+
 _MODEL_FLAGS = ("size", "layers", "width", "hf_config", "seq_len")  # what the model's shapes come from
 
 

@@ -74,12 +74,6 @@ class TrainArgs:
                 raw["zero_optimization"][key] = section
             if self.nvme_path is not None and raw["zero_optimization"].get(key, {}).get("device") == "nvme":
                 raw["zero_optimization"][key]["nvme_path"] = self.nvme_path
-        zero = raw["zero_optimization"]
-        if self.nvme_path is not None and not any(zero.get(key, {}).get("device") == "nvme"
-                                                  for key in ("offload_optimizer", "offload_param")):
-            raise zeroshard.ConfigError(f"--nvme-path {self.nvme_path}: nothing is offloaded to nvme; add "
-                                        f"--offload-optimizer nvme and/or --offload-param nvme, or drop "
-                                        f"--nvme-path")
         for name in ("bf16", "fp16"):
             raw[name] = {**raw.get(name, {}), "enabled": self.precision == name}
         if self.lr is not None and "optimizer" in raw:  # --lr given: it sets the section's lr
