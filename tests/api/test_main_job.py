@@ -75,12 +75,20 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     done = zeroshard_here("train", "--device", "cpu", *common, "--resume", "--out", str(tmp_path / "a"))
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
+    # Flags that build another model than the run's are named before any rank starts.
+    done = zeroshard_here("train", "--device", "cpu", *common, "--width", "32", "--steps", "4", "--resume",
+                          "--out", str(tmp_path / "a"))
+    assert done.returncode == 2 and "started with --size tiny --seq-len 64, and this command's flags " \
+        "(--size tiny --width 32 --seq-len 64) build another model" in done.stderr, done.stderr
     # A rank's error on bad input ends the command with that one line, not every rank's traceback.
-    done = zeroshard("train", *common, "--width", "32", "--steps", "4", "--resume",
+    adamw = tmp_path / "adamw.json"
+    adamw.write_text(config.read_text().replace('"SGD"', '"AdamW"'))
+    done = zeroshard("train", "--steps", "4", "--size", "tiny", "--config", str(adamw), "--resume",
                      "--out", str(tmp_path / "a"), check=False)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        "zeroshard: error: CheckpointError: checkpoint is from another model: 'tok.weight' has shape "
-        "(256, 64) there, (256, 32) here (36 shapes differ)"], done.stderr
+        "zeroshard: error: CheckpointError: the checkpoint holds SGD's state, but this engine's optimizer "
+        "is AdamW: that state would be misread or ignored. Resume with SGD, or load the weights alone: "
+        "engine.load_checkpoint(path, load_optimizer_states=False)"], done.stderr
     done = zeroshard_here("train", "--device", "cpu", *common, "--batch-size", "8")
     assert done.returncode == 2 and "--batch-size 8 but the config's batch sizes give a micro-batch of 4" \
         in done.stderr, done.stderr

@@ -4,10 +4,14 @@ problem is a parser error naming the option and the fix, in one process, not a t
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
+
+from .gpt import SIZES
 
 # What a rank raises for bad input (a config, a model, a checkpoint): one line says it all.
 _USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFiniteError", "DivergenceError")
@@ -51,19 +55,36 @@ def check_nvme_path(nvme_path: str | None, engine_config: dict) -> None:
                          f"nvme and/or --offload-param nvme, or drop --nvme-path")
 
 
-_MODEL_FLAGS = ("size", "layers", "width", "hf_config", "seq_len")  # what the model's shapes come from
+def _model_shape(a: dict) -> dict:
+    """What the model's shapes come from, as the training job resolves the flags (train.build_model)."""
+    if a.get("hf_config"):
+        path = a["hf_config"]
+        try:  # the same file under another path (relative, absolute) is the same model
+            with open(path) as f:
+                return {"hf_config": json.load(f), "seq_len": a.get("seq_len")}
+        except (OSError, ValueError):
+            return {"hf_config": path, "seq_len": a.get("seq_len")}
+    layers, width, _ = SIZES.get(a.get("size"), (None, None, None))
+    return {"layers": a.get("layers") or layers, "width": a.get("width") or width,
+            "seq_len": a.get("seq_len")}
+
+
+def _flags(a: dict) -> str:
+    names = ["hf_config"] if a.get("hf_config") else ["size", "layers", "width"]
+    return " ".join(f"--{n.replace('_', '-')} {a[n]}" for n in names + ["seq_len"] if a.get(n) is not None)
 
 
 def _check_model_flags(parser: argparse.ArgumentParser, args, saved: dict) -> None:
-    """--resume builds the model from this command's flags: ones that differ from those the run was
-    started with would build another model, which the checkpoint then refuses by missing keys. Name
-    the flags instead."""
-    differ = [name for name in _MODEL_FLAGS if name in saved and saved[name] != getattr(args, name)]
-    if differ:
-        def flags(values: dict) -> str:
-            return " ".join(f"--{n.replace('_', '-')} {values[n]}" for n in differ)
-        parser.error(f"--resume: the run in --out {args.out} was started with {flags(saved)}, and this "
-                     f"command says {flags(vars(args))}: give the run's model flags again ({flags(saved)})")
+    """--resume builds the model from this command's flags: ones that make another model than the
+    run was started with would be refused by the checkpoint's missing keys or shapes; name the
+    flags instead."""
+    if not saved or not all(k in saved for k in ("size", "layers", "width", "hf_config", "seq_len")):
+        return  # (not saved by `zeroshard train`: the checkpoint's own check names what differs)
+    mine = vars(args) if isinstance(args, argparse.Namespace) else asdict(args)
+    if _model_shape(saved) != _model_shape(mine):
+        parser.error(f"--resume: the run in --out {args.out} was started with {_flags(saved)}, and this "
+                     f"command's flags ({_flags(mine)}) build another model: give the run's model flags "
+                     f"again ({_flags(saved)})")
 
 
 def defaults_from_config(args: argparse.Namespace) -> None:
