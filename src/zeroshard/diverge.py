@@ -18,8 +18,9 @@ digest. Three ways in:
   (full_state_dict(), gathered_parameters() at stage 3): the ranks meet in the store first, so one
   that entered alone is found stalled there, never paired with a peer's other collective.
 
-A rank whose process exits says so in the store (atexit): a peer waiting for it in a collective or a
-gate is told at once (`if rank == 0: engine.full_state_dict()` at a script's end), not at the timeout.
+A rank whose process exits says so in the store (atexit): a peer waiting for it at a gate is told at
+once (`if rank == 0: engine.full_state_dict()` at a script's end), not at the timeout, and a diagnosis
+does not wait for its history. (In a collective, gloo fails at once on the closed connection.)
 
 Any way, the rank publishes its recent history to the store, waits a grace period for its peers'
 and raises `DivergenceError` naming the first call where the histories differ and the likely cause.
@@ -93,7 +94,7 @@ class Watch:
             return
         # (gloo's own reduce-scatter ignores the timeout; comm.py does reduce-scatters on gloo as an
         # all-to-all, which honours it.)
-        deadline, exited_before = time.monotonic() + self.timeout, []
+        deadline = time.monotonic() + self.timeout
         while True:
             try:
                 work.wait(timeout=timedelta(seconds=min(SLICE_S, self.timeout)))
@@ -110,10 +111,6 @@ class Watch:
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
                                     f"rank's") from None
-            if exited_before:  # (seen a slice ago: what it sent before exiting has been taken by now)
-                raise self.diagnose(f"stalled in a collective, and rank(s) {exited_before} have exited "
-                                    f"(their script ended, or failed, without this call)") from None
-            exited_before = exited_peers(self)
 
     def _differing_peer(self) -> int | None:
         """Publish this stalled rank's mark (count, digest); the first peer whose published mark
@@ -195,8 +192,8 @@ class Watch:
                 raise self.diagnose(f"a peer found a divergence while this rank waited to enter {call}")
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"{call} is collective, and rank {peer} is in another collective")
-            absent = [r for r in range(self.world_size) if not self.store.check([keys[r]])]
-            if (gone := exited_peers(self, absent)) and not self.store.check(keys):
+            absent = self._unset(keys)
+            if (gone := exited_peers(self, absent)) and self._unset(keys):
                 raise self.diagnose(f"{call} is collective, and rank(s) {gone} exited without calling it: "
                                     f"call it on every rank, then write files on rank 0 alone")
             waited = time.monotonic() - start
@@ -215,13 +212,24 @@ class Watch:
             raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {call}")
 
     def _all_set(self, keys: list[str]) -> bool:
-        """Are all `keys` set within one slice? Polled: a timed-out store.wait() logs two c10d warnings."""
+        """Are all `keys` set within one slice? Polled (a timed-out store.wait() logs two c10d
+        warnings); a store gone is "no" (the next _alarm_raised() says so)."""
         end = time.monotonic() + min(SLICE_S, self.timeout)
-        while not self.store.check(keys):
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.02)
+        try:
+            while not self.store.check(keys):
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.1)
+        except dist.DistError:
+            return False
         return True
+
+    def _unset(self, keys: list[str]) -> list[int]:
+        """The ranks whose key (one per rank) is not set; none if the store is gone."""
+        try:
+            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+        except dist.DistError:
+            return []
 
     def _count_store(self, payload: bytes) -> None:
         self.store_traffic["calls"] += 1

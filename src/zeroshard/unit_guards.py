@@ -111,7 +111,8 @@ def guard_save_pretrained(root: nn.Module, units: list[Unit]) -> None:
     live = [weakref.ref(u) for u in units]
 
     def save_pretrained(self: nn.Module, *args, **kwargs) -> Any:
-        if kwargs.get("state_dict") is None and any(
+        given = kwargs.get("state_dict", args[2] if len(args) > 2 else None)  # (dir, is_main, state_dict)
+        if given is None and any(
                 f.state is not ParamState.GATHERED for u in map(lambda r: r(), live) if u is not None
                 for f in u.flats if not f.persistent):
             raise RuntimeError("save_pretrained() at stage 3: the parameters are sharded (empty here). "
@@ -140,15 +141,16 @@ def count_full_shapes(root: nn.Module, units: list[Unit]) -> None:
 
 def refuse_resize(root: nn.Module) -> None:
     """`root.resize_token_embeddings(n)` (transformers) raises a clear error naming the fix; with no
-    size it only returns the input embeddings, as before."""
+    size, or the size it has, it only returns the input embeddings, as before."""
     resize = getattr(root, "resize_token_embeddings", None)
     if not callable(resize):
         return
 
     def resize_token_embeddings(self: nn.Module, new_num_tokens: int | None = None,
                                 pad_to_multiple_of: int | None = None, *args, **kwargs) -> nn.Module:
-        if new_num_tokens is None and pad_to_multiple_of is None:
-            return self.get_input_embeddings()
+        embeddings = self.get_input_embeddings()
+        if pad_to_multiple_of is None and new_num_tokens in (None, getattr(embeddings, "num_embeddings", -1)):
+            return embeddings  # (the size it has: nothing to change)
         raise RuntimeError("resize_token_embeddings() after zeroshard.initialize(): the parameters were "
                            "flattened (and sharded) with their shapes at initialize, and the optimizer's "
                            "state with them. Resize before initialize (with ZeroTrainer: before creating "

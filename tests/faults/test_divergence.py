@@ -214,11 +214,13 @@ def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault:
                                          ("forward_at_end", "rank 0: ")])
 def test_a_peer_that_exited_is_named_at_once(tmp_path, fault: str, where: str) -> None:
     """Rank 0 alone calls a collective at the script's end, and rank 1's script ends: its exit hook
-    marks it exited in the store, so rank 0 is told in seconds, not at collective_timeout."""
+    marks it exited in the store. At a gate (full_state_dict) rank 0 is told so in seconds, not at
+    collective_timeout; in a collective gloo fails on the closed connection, and the diagnosis does
+    not wait the grace period (30 s) for the exited rank's history."""
     first, second = _drill(3, fault, str(tmp_path), timeout=PATIENT)
     assert second["error"] is None, second
     assert first["error"] == "DivergenceError", first
-    assert first["seconds"] < 15, f"rank 0 waited for the timeout: {first}"
+    assert first["seconds"] < PATIENT / 2, f"rank 0 waited for the timeout: {first}"
     assert where in first["message"] and "[1]" in first["message"] and "exited" in first["message"], first
 
 

@@ -177,6 +177,8 @@ def _parameter_counts(rank: int, world_size: int) -> None:
 def _resize_refused(model) -> None:
     """resize_token_embeddings(n) after initialize would change a flattened parameter's shape."""
     assert model.resize_token_embeddings() is model.get_input_embeddings()
+    same = model.get_input_embeddings().num_embeddings  # len(tokenizer) that changes nothing
+    assert model.resize_token_embeddings(same) is model.get_input_embeddings()
     with pytest.raises(RuntimeError, match="Resize before initialize"):
         model.resize_token_embeddings(80)
 

@@ -4,7 +4,6 @@ problem is a parser error naming the option and the fix, in one process, not a t
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -56,14 +55,10 @@ def check_nvme_path(nvme_path: str | None, engine_config: dict) -> None:
 
 
 def _model_shape(a: dict) -> dict:
-    """What the model's shapes come from, as the training job resolves the flags (train.build_model)."""
+    """What the built-in GPT's shapes come from, as train.build_model resolves the flags; for an
+    --hf-config run only that one was given (its file may have moved: the checkpoint judges it)."""
     if a.get("hf_config"):
-        path = a["hf_config"]
-        try:  # the same file under another path (relative, absolute) is the same model
-            with open(path) as f:
-                return {"hf_config": json.load(f), "seq_len": a.get("seq_len")}
-        except (OSError, ValueError):
-            return {"hf_config": path, "seq_len": a.get("seq_len")}
+        return {"hf_config": True}
     layers, width, _ = SIZES.get(a.get("size"), (None, None, None))
     return {"layers": a.get("layers") or layers, "width": a.get("width") or width,
             "seq_len": a.get("seq_len")}
