@@ -37,10 +37,13 @@ def _sgd(params):
 def _direct_calls(rank: int, world_size: int, directory: str) -> None:
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     reference, model = _t5(), _t5()
-    zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+    # Kept: the hooks hold the engine weakly, and a dropped engine leaves the model's placeholders
+    # (its garbage collection, at a moment that depends on allocations, made this test flaky).
+    t5_engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
     expected = reference.generate(ids, max_new_tokens=4, do_sample=False)
     out = model.generate(ids, max_new_tokens=4, do_sample=False, synced_gpus=True)
     assert torch.equal(out, expected), (out, expected)
+    del t5_engine
 
     reference, model = _llama(), _llama()
     engine = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
