@@ -60,6 +60,16 @@ def _modules_holding(unit: Unit, only_sharded: bool) -> list[nn.Module]:
             if any(id(p) in mine for p in m._parameters.values() if p is not None)]
 
 
+def refuse_if_engine_dropped(module: nn.Module) -> None:
+    """A unit hook whose engine was garbage-collected: the module holds empty placeholders, which
+    would fail somewhere inside the forward ('weight' must be 2-D); say what happened instead."""
+    if any(p.numel() == 0 for p in module.parameters()):
+        raise RuntimeError("this model was sharded by a zeroshard engine (stage 3) that has since been "
+                           "garbage-collected, so its parameters are empty placeholders: keep the engine "
+                           "that initialize() returns (engine = zeroshard.initialize(model, ...)) for as "
+                           "long as the model is used; engine.module then stays usable")
+
+
 def gather_root_for_its_parts(root: Unit) -> None:
     """Stage 3: a module registering root parameters, called on its own rather than inside the
     model's forward (T5's generate() runs its encoder itself; `model.get_input_embeddings()(ids)`;
@@ -70,9 +80,12 @@ def gather_root_for_its_parts(root: Unit) -> None:
     gathered_here: list[bool] = []  # per call in progress (calls nest)
 
     def pre(module: nn.Module, args: object) -> None:
-        if unit() is not None:
-            gathered_here.append(not unit().complete)
-            unit().gather()
+        if unit() is None:
+            refuse_if_engine_dropped(module)
+            gathered_here.append(False)  # (the post hook pops one per call)
+            return
+        gathered_here.append(not unit().complete)
+        unit().gather()
 
     def post(module: nn.Module, args: object, output: object) -> None:
         if unit() is not None and gathered_here.pop() and not torch.is_grad_enabled():

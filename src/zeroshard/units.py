@@ -26,7 +26,7 @@ from .parallel.dtensor import split_over_tp
 from .policy import StagePolicy
 from .states import move
 from .unit_guards import _eager, count_full_shapes, gather_root_for_its_parts, guard_load_state_dict, \
-    guard_save_pretrained, guard_state_dict, keep_every_layer, refuse_resize
+    guard_save_pretrained, guard_state_dict, keep_every_layer, refuse_if_engine_dropped, refuse_resize
 
 logger = logging.getLogger("zeroshard")
 
@@ -217,7 +217,9 @@ class Unit:
         def pre_forward(module: nn.Module, args: object) -> None:
             # Inside gathered_parameters() a forward (perhaps on one rank alone) is not recorded:
             # the record steers every rank's prefetching, which must stay alike.
-            if unit() is not None and units() is not None and unit().edits_taken is None:
+            if unit() is None or units() is None:
+                refuse_if_engine_dropped(module)
+            elif unit().edits_taken is None:
                 units().before_forward(unit())
 
         def post_forward(module: nn.Module, args: object, output: object) -> None:
