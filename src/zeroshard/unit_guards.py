@@ -96,6 +96,12 @@ def gather_root_for_its_parts(root: Unit) -> None:
             m.register_forward_hook(_eager(post), always_call=True)
 
 
+def _sharded_now(unit: Unit | None) -> bool:
+    """Does (live) `unit` hold placeholders now: a sharded buffer not gathered?"""
+    return unit is not None and any(f.state is not ParamState.GATHERED
+                                    for f in unit.flats if not f.persistent)
+
+
 def guard_state_dict(unit: Unit) -> None:
     """Stage 3: outside forward this unit's parameters are empty placeholders, and a module's
     state_dict() (torch.save, save_pretrained) would hold them as empty tensors, silently. Each
@@ -103,8 +109,7 @@ def guard_state_dict(unit: Unit) -> None:
     live = weakref.ref(unit)
 
     def refuse(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-        if live() is not None and any(f.state is not ParamState.GATHERED for f in live().flats
-                                      if not f.persistent):
+        if _sharded_now(live()):
             raise RuntimeError(f"state_dict() of '{prefix.rstrip('.') or 'the model'}' at stage 3 "
                                f"outside forward: its parameters are sharded (empty here) and would be "
                                f"saved as empty tensors. Use engine.full_state_dict(), "
@@ -125,9 +130,7 @@ def guard_save_pretrained(root: nn.Module, units: list[Unit]) -> None:
 
     def save_pretrained(self: nn.Module, *args, **kwargs) -> Any:
         given = kwargs.get("state_dict", args[2] if len(args) > 2 else None)  # (dir, is_main, state_dict)
-        if given is None and any(
-                f.state is not ParamState.GATHERED for u in map(lambda r: r(), live) if u is not None
-                for f in u.flats if not f.persistent):
+        if given is None and any(_sharded_now(ref()) for ref in live):
             raise RuntimeError("save_pretrained() at stage 3: the parameters are sharded (empty here). "
                                "Save on every rank with trainer.save_model(dir) (ZeroTrainer) or "
                                "engine.save_16bit_model(dir) (rank 0 writes), or inside `with "

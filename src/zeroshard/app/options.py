@@ -75,7 +75,7 @@ def _check_model_flags(parser: argparse.ArgumentParser, args, saved: dict) -> No
     flags instead."""
     if not saved or not all(k in saved for k in ("size", "layers", "width", "hf_config", "seq_len")):
         return  # (not saved by `zeroshard train`: the checkpoint's own check names what differs)
-    mine = vars(args) if isinstance(args, argparse.Namespace) else asdict(args)
+    mine = asdict(args)  # (a TrainArgs)
     if _model_shape(saved) != _model_shape(mine):
         parser.error(f"--resume: the run in --out {args.out} was started with {_flags(saved)}, and this "
                      f"command's flags ({_flags(mine)}) build another model: give the run's model flags "
