@@ -66,6 +66,10 @@ class Bucketed:
             for full, size in zip(fulls, sizes):
                 full.view(n, -1).copy_(rows[:, start:start + size])
                 start += size
+            # Freed now, not when the last reference goes: the backend's work object may hold both
+            # a moment after wait() returns (gloo's worker thread), and a memory census would see them.
+            for staging in (bucket, send):
+                staging.untyped_storage().resize_(0)
         pending: Pending = [(self.all_gather(bucket, send, async_op), copy_out, bucket)]
         if not async_op:
             complete(pending)

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import checkpoint_meta, integrity
 from .checkpoint import IMPLEMENTATION_KEYS, read_meta, resolve_everywhere, slices, whole_shapes
 from .comm import Comm
-from .flat_param import FlatParam, disk_store
+from .flat_param import FlatParam
+from .offload import disk_store
 from .integrity import CheckpointError
 from .parallel.dtensor import canonical, from_canonical
 

@@ -17,7 +17,6 @@ Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
 
 import torch
 from torch import nn
@@ -136,14 +135,32 @@ class FlatParam(FlatGrad):
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
 
-
     def prefetch(self) -> None:
         """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
-        if self.state is not ParamState.SHARDED:
-            return
-        shard = self._storage_back()
+        if self.state is ParamState.SHARDED:
+            self.issue_gather()
+
+    def issue_gather(self) -> None:
+        """Issue the all-gather of `full`: left in flight (GATHERING), except a post-step gather
+        through several buckets, which completes here, one at a time (in flight together, their
+        buckets would add up to a second copy of the parameters), unless deferred."""
+        shard = self.outgoing_shard()
         with torch.no_grad():
-            self._gathering = self._all_gather(self.full, shard, async_op=True)
+            if self.state is ParamState.GATHERED and not self.gather_behind_forward and \
+                    len(self.layout.shard_chunks(self.buckets.gather)) > 1:
+                self._all_gather(self.full, shard)
+                return
+            self.mark_gathering(self._all_gather(self.full, shard, async_op=True))
+
+    def outgoing_shard(self) -> torch.Tensor:
+        """The shard a gather sends (a freed buffer first gets its storage back: a prefetch)."""
+        return self._storage_back() if self.state is ParamState.SHARDED else self._shard_on_device()
+
+    def mark_gathering(self, pending: Pending) -> None:
+        """An all-gather into `full` is in flight: gather() completes it."""
+        self._gathering = pending
+        if self.state is ParamState.GATHERED:  # stray reads fail loudly, not see half-written values
+            self._point_params_at_placeholder()
         self._set_state(ParamState.GATHERING)
 
     def _storage_back(self) -> torch.Tensor:
@@ -244,14 +261,18 @@ class FlatParam(FlatGrad):
         self._all_gather(out, self.shard.to(out.device))
         return out
 
-
     def write_back(self) -> None:
         """After the optimizer step: refresh the compute-dtype parameters from the master, then
         issue the all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered).
         gather() completes it: the step does, once every buffer's is issued, so they pipeline and
-        overlap the next sub-group's update; with gather_behind_forward, the next forward does.
-        (A gather staged through several buckets completes here, unless deferred: in flight
-        together, their buckets would add up to a second copy of the parameters.)"""
+        overlap the next sub-group's update (gather_together.write_back_together sends small
+        buffers' as one); with gather_behind_forward, the next forward does."""
+        if self.refresh_from_master():
+            self.issue_gather()
+
+    def refresh_from_master(self) -> bool:
+        """Copy the master's new values into what the parameters are computed from (the shard, or
+        `full` at stage 0). Returns whether `full` must then be all-gathered (write_back)."""
         updated = self.shard if self.policy.shard_optimizer else self.full
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
@@ -266,24 +287,10 @@ class FlatParam(FlatGrad):
                 self.copier.shard_down(updated, self.master)  # host memory, or its file
             elif self.master is not updated and updated is not None:  # (None: cast at the next gather)
                 updated.copy_(self.master)
-            if not (self.policy.shard_optimizer and self.persistent):
-                return
-            if self.host is not None:
-                self.host.before_device_read()
-            chunks = self.layout.shard_chunks(self.buckets.gather)
-            if len(chunks) > 1 and not self.gather_behind_forward:
-                self._all_gather(self.full, self.shard)  # staged: one constant-size bucket at a time
-                return
-            self._gathering = self._all_gather(self.full, self.shard, async_op=True)
-        self._point_params_at_placeholder()  # stray reads fail loudly rather than see half-written values
-        self._set_state(ParamState.GATHERING)
+        return self.policy.shard_optimizer and self.persistent
 
     def finish_write_back(self) -> None:
         """Complete the all-gather write_back() issued, unless the next forward is to."""
         if self.state is ParamState.GATHERING and not self.gather_behind_forward:
             self.gather()
 
-
-def disk_store(flat: FlatParam) -> Any:
-    """The disk store (nvme/) behind the flat's offloaded states, or None without disk offload."""
-    return getattr(flat.copier, "disk", None) if flat.copier is not None else None

@@ -25,7 +25,8 @@ from typing import Iterator
 import torch
 
 from .comm import Comm
-from .flat_param import FlatParam, ParamState, disk_store
+from .flat_param import FlatParam, ParamState
+from .offload import disk_store
 from .units import Unit
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -239,3 +239,8 @@ def prefer_fused(cls: type, kwargs: dict) -> dict:
     if isinstance(cls, type) and issubclass(cls, _FUSED_ON_CPU) and not {"fused", "foreach"} & set(kwargs):
         return {**kwargs, "fused": True}
     return kwargs
+
+
+def disk_store(flat: Any) -> Any:
+    """The disk store (nvme/) behind the flat's offloaded states, or None without disk offload."""
+    return getattr(flat.copier, "disk", None) if flat.copier is not None else None

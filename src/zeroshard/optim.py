@@ -18,6 +18,7 @@ from .config import Config, ConfigError
 from .nonfinite import NonFiniteGuard
 from .precision import LossScaler
 from .flat_param import FlatParam
+from .gather_together import write_back_together
 from .nvme import stream_groups
 from .states import temporarily
 
@@ -233,8 +234,8 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
                 optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
             for f in group:
                 f.release_master_grad()
-                if write_back:
-                    f.write_back()  # issues the post-step all-gather (stages 1-2): in flight as we go on
+            if write_back:  # issues the post-step all-gathers (stages 1-2): in flight as we go on
+                write_back_together(group)
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
         groups.close()
         for f in trainable:
@@ -245,8 +246,7 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
 
 def _write_back(trainable: list[FlatParam]) -> None:
     try:
-        for f in trainable:
-            f.write_back()
+        write_back_together(trainable)
     finally:
         for f in trainable:
             f.finish_write_back()

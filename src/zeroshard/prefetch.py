@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
-from .flat_param import FlatParam, ParamState
+from .gather_together import prefetch_flats
 from .units import Unit, UnitProgress
 
 
@@ -142,24 +140,6 @@ class UnitOrder:
 
 def prefetch_together(units: list[Unit]) -> None:
     """Issue the all-gathers of `units` (those not gathered or in flight), as one collective
-    where their buffers allow (prefetch_flats)."""
+    where their buffers are small (gather_together.py)."""
     prefetch_flats([f for u in units for f in u.flats])
 
-
-def prefetch_flats(flats: list[FlatParam]) -> None:
-    """Issue the all-gathers of the sharded buffers among `flats`; as one collective where they fit
-    one bucket (allgather_bucket_size) in one dtype. They share one Pending: whichever is completed
-    first copies every buffer out of the bucket. Why: a gloo collective has a fixed cost beside its bytes."""
-    due = [f for f in flats if f.state is ParamState.SHARDED]
-    first = due[0] if due else None
-    if len(due) < 2 or sum(f.layout.padded_numel for f in due) > first.buckets.gather or \
-            any(f.full.dtype != first.full.dtype or f.comm is not first.comm for f in due):
-        for f in due:
-            f.prefetch()
-        return
-    shards = [f._storage_back() for f in due]
-    with torch.no_grad(), first.comm.about(" + ".join(f.label for f in due)):
-        pending = first.comm.gather_together([f.full for f in due], shards, async_op=True)
-    for f in due:
-        f._gathering = pending
-        f._set_state(ParamState.GATHERING)

@@ -198,3 +198,21 @@ def _receive_buffer_counted(rank: int, world_size: int) -> None:
 
 def test_a_reduce_scatter_in_flight_counts_its_receive_buffer():
     spawn(_receive_buffer_counted, 2)
+
+
+def _staging_freed(rank: int, world_size: int) -> None:
+    """Buffers gathered together (comm.gather_together) free the shared bucket once copied out,
+    whoever still holds it: a backend's work object may, a moment after wait() returns."""
+    from zeroshard.bucketing import complete
+    fulls = [torch.empty(3 * world_size), torch.empty(2 * world_size)]
+    pending = zeroshard.Comm().gather_together(fulls, [torch.full((3,), rank + 0.5), torch.full((2,), -rank)],
+                                               async_op=True)
+    bucket = pending[0][2]
+    complete(pending)
+    assert fulls[0].tolist() == [r + 0.5 for r in range(world_size) for _ in range(3)]
+    assert fulls[1].tolist() == [-r for r in range(world_size) for _ in range(2)]
+    assert bucket.untyped_storage().nbytes() == 0
+
+
+def test_a_shared_gather_bucket_is_freed_when_copied_out():
+    spawn(_staging_freed, 2)

@@ -68,3 +68,86 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_traffic_per_step(world_size, tmp_path):
     spawn(_traffic, world_size, str(tmp_path))
+
+
+def _post_step_gathers(rank: int, world_size: int) -> None:
+    """Stages 1-2: the post-step all-gathers of small buffers go out as one collective (a gloo
+    collective's fixed cost dwarfs their bytes); alone, buffer by buffer, once the limit is below
+    them. Same bytes, same losses to the bit."""
+    from zeroshard import gather_together
+    x, y = rank_batch(rank, world_size)
+    for stage in (1, 2):
+        results = {}
+        for limit in (gather_together.TOGETHER_NUMEL, 1):
+            gather_together.TOGETHER_NUMEL = limit
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),
+                                          {"zero_optimization": {"stage": stage}})
+            losses = []
+            for _ in range(3):
+                loss = loss_fn(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            trainable = [f for f in engine.flats if f.trainable]
+            step = engine.comm_stats()["last_step"]["all_gather"]
+            results[limit] = (step["calls"], step["bytes"], losses, len(trainable))
+        gather_together.TOGETHER_NUMEL = 1 << 20
+        (together, bytes_together, losses, n), (alone, bytes_alone, losses_alone, _) = results.values()
+        assert sum(f.layout.padded_numel for f in trainable) < 1 << 20 and n >= 4  # small: they fit one
+        assert (together, alone) == (1, n), (stage, results)
+        assert bytes_together == bytes_alone and losses == losses_alone, (stage, results)
+
+
+def test_post_step_gathers_of_small_buffers_go_together():
+    spawn(_post_step_gathers, 3)
+
+
+def test_runs_keep_order_and_stay_within_the_limit():
+    """runs(): consecutive buffers, one dtype and one group each, at most TOGETHER_NUMEL (and the
+    allgather bucket) elements, a larger buffer alone."""
+    from types import SimpleNamespace
+
+    from zeroshard.gather_together import TOGETHER_NUMEL, runs
+    group, other = object(), object()
+
+    def flat(numel, dtype=torch.float32, comm=group, bucket=10**9):
+        return SimpleNamespace(layout=SimpleNamespace(padded_numel=numel), full=torch.empty(0, dtype=dtype),
+                               comm=comm, buckets=SimpleNamespace(gather=bucket), name=numel)
+    half = TOGETHER_NUMEL // 2
+    flats = [flat(half), flat(half), flat(1), flat(2 * TOGETHER_NUMEL), flat(3), flat(4, torch.bfloat16),
+             flat(5, torch.bfloat16, other), flat(6, bucket=10), flat(7, bucket=10)]
+    assert [[f.name for f in run] for run in runs(flats)] == \
+        [[half, half], [1], [2 * TOGETHER_NUMEL], [3], [4], [5], [6], [7]]
+
+
+def _two_buckets_at_most(rank: int, world_size: int) -> None:
+    """Many small buffers: the post-step gathers go out in runs, and older runs land (their buckets
+    freed) as new ones go out, so at most two buckets exist at once, not a second copy of the model."""
+    from zeroshard import bucketing, gather_together
+    x, y = rank_batch(rank, world_size)
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(d=32, layers=10), lambda p: torch.optim.Adam(p, lr=1e-3),
+                                  {"zero_optimization": {"stage": 1}})
+    block = max(f.layout.padded_numel for f in engine.flats if f.trainable and f is not engine.flats[0])
+    gather_together.TOGETHER_NUMEL = 2 * block  # runs of about two blocks
+    buckets, alive = [], []
+    issue = bucketing.Bucketed.gather_together
+
+    def counted(self, fulls, shards, async_op=False):
+        alive.append(sum(b.untyped_storage().nbytes() > 0 for b in buckets))  # before this one goes out
+        pending = issue(self, fulls, shards, async_op)
+        buckets.append(pending[0][2])
+        return pending
+    bucketing.Bucketed.gather_together = counted
+    try:
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    finally:
+        bucketing.Bucketed.gather_together, gather_together.TOGETHER_NUMEL = issue, 1 << 20
+    assert len(buckets) >= 4 and max(alive) == 2, alive
+    assert all(b.untyped_storage().nbytes() == 0 for b in buckets)  # all landed by the step's end
+
+
+def test_post_step_gathers_keep_two_buckets_at_most():
+    spawn(_two_buckets_at_most, 2)
