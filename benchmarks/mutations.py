@@ -96,9 +96,9 @@ MUTATIONS = [
     Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
     Mutation("persistent-regather", "src/zeroshard/flat_param.py",
-             "            if not (self.policy.shard_optimizer and self.persistent):",
-             "            if not (self.policy.shard_optimizer and self.persistent"
-             " and not self.policy.shard_params):",
+             "        return self.policy.shard_optimizer and self.persistent\n",
+             "        return self.policy.shard_optimizer and self.persistent"
+             " and not self.policy.shard_params\n",
              (f"{P}::test_stage3_persistent_and_gathered_units",),
              "stage-3 persistent trainable buffers are not re-gathered after the step"),
     Mutation("accumulation-not-averaged", "src/zeroshard/engine.py",

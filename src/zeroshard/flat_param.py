@@ -90,7 +90,7 @@ class FlatParam(FlatGrad):
         self._point_params_at_full()
         self.master: torch.Tensor | None = None
         self.opt_param: nn.Parameter | None = None
-        self._gathering: Pending = []  # an all-gather issued by prefetch()
+        self._gathering: Pending = []  # an all-gather issued (a prefetch, or after the step)
         self._init_grads()
         if trainable:
             self._init_trainable(owned)  # before free(): `owned` may share storage with `full`

@@ -226,6 +226,7 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
     """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
     gradient copies alive at once), writing each back unless the caller does so later."""
     groups = stream_groups(sub_groups(trainable, sub_group_size), optimizer)  # disk offload: streamed
+    landing: list = []  # the post-step gathers in flight, over every sub-group
     try:
         for group in groups:
             for f in group:  # fp32 gradient copies for one sub-group at a time
@@ -235,7 +236,7 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
             for f in group:
                 f.release_master_grad()
             if write_back:  # issues the post-step all-gathers (stages 1-2): in flight as we go on
-                write_back_together(group)
+                write_back_together(group, landing)
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
         groups.close()
         for f in trainable:
@@ -246,7 +247,7 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
 
 def _write_back(trainable: list[FlatParam]) -> None:
     try:
-        write_back_together(trainable)
+        write_back_together(trainable, [])
     finally:
         for f in trainable:
             f.finish_write_back()

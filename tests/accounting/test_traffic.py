@@ -122,31 +122,37 @@ def test_runs_keep_order_and_stay_within_the_limit():
 
 
 def _two_buckets_at_most(rank: int, world_size: int) -> None:
-    """Many small buffers: the post-step gathers go out in runs, and older runs land (their buckets
-    freed) as new ones go out, so at most two buckets exist at once, not a second copy of the model."""
+    """Many small buffers: the post-step gathers go out in runs, and the oldest run lands (its bucket
+    freed) before a new one goes out, so at most two buckets exist at once over the whole step, with
+    one sub-group or many, not a second copy of the model."""
     from zeroshard import bucketing, gather_together
     x, y = rank_batch(rank, world_size)
-    torch.manual_seed(0)
-    engine = zeroshard.initialize(TinyGPT(d=32, layers=10), lambda p: torch.optim.Adam(p, lr=1e-3),
-                                  {"zero_optimization": {"stage": 1}})
-    block = max(f.layout.padded_numel for f in engine.flats if f.trainable and f is not engine.flats[0])
-    gather_together.TOGETHER_NUMEL = 2 * block  # runs of about two blocks
-    buckets, alive = [], []
     issue = bucketing.Bucketed.gather_together
+    for sub_groups in ("one", "many"):
+        torch.manual_seed(0)
+        model = TinyGPT(d=32, layers=10)
+        block = sum(p.numel() for p in model.blocks[1].parameters())
+        zero = {"stage": 1}
+        if sub_groups == "many":  # four blocks' shards a sub-group: two runs each
+            zero["sub_group_size"] = 4 * (block // world_size + 1)
+        engine = zeroshard.initialize(model, lambda p: torch.optim.Adam(p, lr=1e-3),
+                                      {"zero_optimization": zero})
+        gather_together.TOGETHER_NUMEL = 2 * block + 2 * world_size  # runs of two blocks
+        buckets, alive = [], []
 
-    def counted(self, fulls, shards, async_op=False):
-        alive.append(sum(b.untyped_storage().nbytes() > 0 for b in buckets))  # before this one goes out
-        pending = issue(self, fulls, shards, async_op)
-        buckets.append(pending[0][2])
-        return pending
-    bucketing.Bucketed.gather_together = counted
-    try:
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-    finally:
-        bucketing.Bucketed.gather_together, gather_together.TOGETHER_NUMEL = issue, 1 << 20
-    assert len(buckets) >= 4 and max(alive) == 2, alive
-    assert all(b.untyped_storage().nbytes() == 0 for b in buckets)  # all landed by the step's end
+        def counted(self, fulls, shards, async_op=False):
+            pending = issue(self, fulls, shards, async_op)
+            buckets.append(pending[0][2])
+            alive.append(sum(b.untyped_storage().nbytes() > 0 for b in buckets))  # this one too
+            return pending
+        bucketing.Bucketed.gather_together = counted
+        try:
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        finally:
+            bucketing.Bucketed.gather_together, gather_together.TOGETHER_NUMEL = issue, 1 << 20
+        assert len(buckets) >= 4 and max(alive) == 2, (sub_groups, alive)
+        assert all(b.untyped_storage().nbytes() == 0 for b in buckets)  # all landed by the step's end
 
 
 def test_post_step_gathers_keep_two_buckets_at_most():
