@@ -38,7 +38,7 @@ from .precision import LossScaler, Precision, convert_buffers
 from .states import move
 from .policy import Buckets, StagePolicy
 from .flat_param import FlatParam
-from .prefetch import UnitOrder
+from .prefetch import UnitOrder, gathering_limits
 from .units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
 
 
@@ -127,11 +127,12 @@ class Engine(EngineState, EngineCompat):
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
-        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries,
-                                    config.zero.stage3_prefetch_bucket_size,
-                                    config.zero.stage3_max_live_parameters,
-                                    config.zero.stage3_max_reuse_distance, self.reducer.reduce_ready,
-                                    keep_tail=comm.device.type != "cuda")
+        z = config.zero
+        forward, backward, reuse = gathering_limits(z.stage3_prefetch_bucket_size,
+                                                    z.stage3_max_reuse_distance, comm.device.type)
+        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, forward,
+                                    z.stage3_max_live_parameters, reuse, self.reducer.reduce_ready,
+                                    keep_tail=comm.device.type != "cuda", backward_numel=backward)
         install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank,
                       comm.world_size)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it

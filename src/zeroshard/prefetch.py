@@ -9,8 +9,38 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .gather_together import prefetch_flats
+from .gather_together import TOGETHER_NUMEL, prefetch_flats
 from .units import Unit, UnitProgress
+
+
+Window = int | None  # elements prefetched ahead; None: exactly the next unit
+
+
+def gathering_limits(prefetch_numel: Window, reuse_numel: int | None,
+                     device_type: str) -> tuple[Window, Window, int]:
+    """The forward's and backward's prefetch windows and the reuse distance: from
+    stage3_prefetch_bucket_size and stage3_max_reuse_distance, or where unset, the backend's.
+
+    On CUDA: the next unit prefetched, none kept for backward beyond the tail, as FSDP2 does: a
+    gather there costs little beside its bytes, and memory is what binds. On gloo a collective costs
+    a fixed ~0.3 ms of CPU beside its bytes, which overlap does not hide on busy cores, and a model
+    of small units paid it once a unit, in forward and again in backward. There a constant-size
+    window of TOGETHER_NUMEL elements (4 MiB of fp32): forward prefetches the units that run next
+    while they fit it (gather_together sends them as one collective), and a unit whose later units
+    fit it stays gathered into backward (a reuse distance of twice that: their forward and backward),
+    so such a model is gathered once a step. Backward still prefetches one unit at a time: which
+    unit backward reaches first can depend on the data (an output in the loss of some ranks only),
+    and gathers of one unit keep such ranks' collectives alike in size, so the divergence check
+    names the cause where wider ones made gloo abort on a size mismatch first. Memory still does not
+    grow with the model; a model of larger units (a GPT-2 block has 7M elements) is gathered as on
+    CUDA."""
+    if device_type == "cuda" or prefetch_numel is not None:
+        forward = backward = prefetch_numel
+    else:
+        forward, backward = TOGETHER_NUMEL, None
+    if reuse_numel is None:
+        reuse_numel = 0 if device_type == "cuda" else 2 * TOGETHER_NUMEL
+    return forward, backward, reuse_numel
 
 
 class UnitOrder:
@@ -25,13 +55,14 @@ class UnitOrder:
     """
 
     def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
-                 prefetch_numel: int | None = None, max_live_numel: int = 10**9,
+                 prefetch_numel: Window = None, max_live_numel: int = 10**9,
                  max_reuse_numel: int = 0, on_passed: Callable[[], None] = lambda: None,
-                 keep_tail: bool = True) -> None:
+                 keep_tail: bool = True, backward_numel: Window = None) -> None:
         self.enabled = prefetch
         self.keep_tail = keep_tail and prefetch and prefetch_numel != 0  # see keeps_for_backward
         self.on_passed = on_passed  # the reducer: reduce what the units backward has passed hold
-        self.prefetch_numel = prefetch_numel  # None: exactly the next unit
+        self.prefetch_numel = prefetch_numel  # forward's window (gathering_limits)
+        self.backward_numel = backward_numel  # backward's
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
         self.on_gather = on_gather  # accounting: temporaries peak right after a gather
@@ -48,7 +79,8 @@ class UnitOrder:
         if self.enabled:  # issue this unit's all-gather and the next ones', then wait for this one:
             # the next gathers overlap this wait. Those not yet in flight (the first unit's and the
             # next, after a step) go out as one collective: on gloo each has a fixed cost beside its bytes.
-            prefetch_together([unit] + self._to_prefetch(self.previous[len(self.current):], unit))
+            upcoming = self.previous[len(self.current):]
+            prefetch_together([unit] + self._to_prefetch(upcoming, self.prefetch_numel, unit))
         unit.gather()
         self.on_gather()
 
@@ -90,22 +122,23 @@ class UnitOrder:
         if self.enabled:
             unit.prefetch()
         if at is not None:
-            prefetch_together(self._to_prefetch(self.current[at - 1::-1] if at > 0 else []))
+            prefetch_together(self._to_prefetch(self.current[at - 1::-1] if at > 0 else [],
+                                                self.backward_numel))
         unit.gather()
         self.on_gather()
 
-    def _to_prefetch(self, upcoming: list[Unit], running: Unit | None = None) -> list[Unit]:
-        """The units to start gathering, of those that run next: the next one, or
-        (stage3_prefetch_bucket_size) as many as fit in that many elements; never past
-        stage3_max_live_parameters gathered (`running` counted as gathered)."""
+    def _to_prefetch(self, upcoming: list[Unit], window: Window, running: Unit | None = None) -> list[Unit]:
+        """The units to start gathering, of those that run next: the next one (a window of None),
+        or as many as fit in the window's elements; never past stage3_max_live_parameters gathered
+        (`running` counted as gathered)."""
         if not self.enabled or not upcoming:
             return []
-        if self.prefetch_numel is None:
+        if window is None:
             upcoming = upcoming[:1]
         live = sum(u.numel for u in dict.fromkeys(self.previous + self.current) if u.gathered or u is running)
         ahead, due = 0, []  # elements of the upcoming units gathered or in flight, counted in order
         for unit in dict.fromkeys(upcoming):
-            if self.prefetch_numel is not None and ahead >= self.prefetch_numel:
+            if window is not None and ahead >= window:
                 break  # as DeepSpeed: fetch while below the limit (the last unit may overshoot)
             ahead += unit.numel
             if not unit.gathered and unit is not running:

@@ -82,11 +82,14 @@ def test_memory_matches_paper_formula(world_size):
 
 
 def _constant_buffers(rank: int, world_size: int) -> None:
-    """CB: gathered units, full-size gradients and staging buckets do not grow with the model."""
+    """CB: gathered units, full-size gradients and staging buckets do not grow with the model.
+    (Stage 3 at gloo's defaults, their window narrowed below these models: 2^20 elements would
+    hold them whole.)"""
+    zeroshard.prefetch.TOGETHER_NUMEL = 20_000  # the window of gloo's defaults (prefetch, reuse)
     x, y = rank_batch(rank, world_size)
     for stage in (2, 3):
         seen = {}
-        for layers in (4, 16):  # 4x deeper (from past the depth where the prefetch pipeline fills)
+        for layers in (8, 32):  # 4x deeper (from past the depth where the prefetch pipeline fills)
             torch.manual_seed(0)
             engine = zeroshard.initialize(TinyGPT(d=32, layers=layers),
                                           lambda p: torch.optim.Adam(p, lr=1e-3),
@@ -96,7 +99,7 @@ def _constant_buffers(rank: int, world_size: int) -> None:
                 engine.backward(loss_fn(engine(x), y))
                 engine.step()
             seen[layers] = engine.memory_stats()
-        small, large = seen[4], seen[16]
+        small, large = seen[8], seen[32]
         assert large["model_states"] > 2.5 * small["model_states"]
         assert large["peak_temporary"] == small["peak_temporary"] > 0, (stage, small, large)
         assert large["largest_bucket"] == small["largest_bucket"] <= 4 * 4096
@@ -115,6 +118,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     unit = -(-block // world_size) * world_size
     root = None
     results = {}
+    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # CUDA's defaults
     for name, extra in {"next unit": {}, "none": {"stage3_prefetch_bucket_size": 0},
                         "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
                         "under a unit": {"stage3_prefetch_bucket_size": unit // 2},  # overshoots by one
@@ -124,9 +128,10 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                         "reuse": {"stage3_max_reuse_distance": 6 * unit},
                         "reuse, live cap": {"stage3_max_reuse_distance": 6 * unit,
                                             "stage3_max_live_parameters": "root + 3 units"},
-                        "CUDA's free tail": {}}.items():
+                        "CUDA's free tail": {}, "gloo's window": None}.items():
         torch.manual_seed(0)
         model = TinyGPT(d=32, layers=8)
+        extra = {} if extra is None else {**paper, **extra}  # None: the defaults on gloo
         cap = extra.get("stage3_max_live_parameters")
         if isinstance(cap, str):
             extra = {**extra, "stage3_max_live_parameters": root + int(cap.split()[2]) * unit}
@@ -159,7 +164,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     # With prefetch, the last two blocks stay: backward needs the last first and prefetches the other.
     # On CUDA they are freed too (as FSDP2 does), and gathered again in backward, the last one first.
     assert kept == {"next unit": 2, "none": 0, "3 units": 2, "under a unit": 2, "3 units, live cap": 2,
-                    "reuse": 4, "reuse, live cap": 3, "CUDA's free tail": 0}, kept
+                    "reuse": 4, "reuse, live cap": 3, "CUDA's free tail": 0, "gloo's window": 9}, kept
     assert gathers["CUDA's free tail"] == gathers["next unit"] + 2, gathers
     # With prefetch, gathers issued together go out as one collective: the root's with the first
     # block's, and the blocks a bucket prefetches at once ("3 units").
@@ -172,6 +177,11 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     assert back["3 units, live cap"] <= 2 and back["none"] == 1 and back["next unit"] == 2, back
     assert back["CUDA's free tail"] == 2, back
     assert results["reuse"][0] == 4  # blocks 4-6 kept, and block 7 running
+    # gloo's defaults: a window of 2^20 elements holds this whole model (under 0.1M), so the root's
+    # gather brings every unit (one collective a dtype and group) and each stays gathered from its
+    # forward into its backward: no backward gathers
+    assert results["gloo's window"][0] == back["gloo's window"] == len(engine.units) - 1 == 9
+    assert gathers["gloo's window"] <= 2 < gathers["3 units"], gathers
     assert len({tuple(losses) for _, losses, _, _, _ in results.values()}) == 1  # bit-identical losses
 
 

@@ -19,10 +19,11 @@ from wiretap import by_kind, wiretap  # noqa: E402  (torch.distributed's Python 
 
 def _traffic(rank: int, world_size: int, directory: str) -> None:
     x, y = rank_batch(rank, world_size)
-    for stage in range(4):
+    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # CUDA's defaults
+    for stage, extra in [(0, {}), (1, {}), (2, {}), (3, paper), (3, {})]:
         torch.manual_seed(0)
         engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),
-                                      {"zero_optimization": {"stage": stage}})
+                                      {"zero_optimization": {"stage": stage, **extra}})
         for _ in range(2):
             with wiretap() as wire:  # broadcasts, list and all-to-all collectives are seen too
                 engine.backward(loss_fn(engine(x), y))
@@ -44,6 +45,10 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
         elif stage in (1, 2):  # never a gradient all-reduce: that would make it 3Ψ
             assert step == {"all_reduce": flag, "all_gather": trainable, "reduce_scatter": trainable,
                             "broadcast": 0}
+        elif not extra:  # gloo's defaults: their window (2^20 elements) holds this model, so every
+            # unit stays gathered from forward into backward: each is gathered once a step
+            assert step == {"all_reduce": flag, "all_gather": everything, "reduce_scatter": trainable,
+                            "broadcast": 0}
         else:  # forward and backward gathers + reduce-scatter; three units stay gathered from
             # forward to backward: the root, the last block to run forward (backward starts with it)
             # and the block before it (backward prefetches it at once)
@@ -59,7 +64,8 @@ def _traffic(rank: int, world_size: int, directory: str) -> None:
         grown = {k: after["total"][k]["bytes"] - v["bytes"] for k, v in total.items()}
         assert {k: v for k, v in grown.items() if v} == by_kind(wire) and "broadcast" in by_kind(wire), stage
         assert {k: v["bytes"] for k, v in after["last_step"].items()} == step  # the step's window is kept
-        engine.save_checkpoint(directory, tag=f"stage{stage}")  # its metadata gathers count, outside the step
+        tag = f"stage{stage}{'-paper' if extra else ''}"
+        engine.save_checkpoint(directory, tag=tag)  # its metadata gathers count, outside the step
         saved = engine.comm_stats()
         assert saved["total"]["all_gather"]["calls"] > after["total"]["all_gather"]["calls"], stage
         assert saved["last_step"] == after["last_step"], stage

@@ -53,10 +53,9 @@ def _zero(cfg: Settings, value: Any) -> None:
                 raise ConfigError(f"config key '{name}' must be 0, 1, 2 or 3, got {v!r}")
         elif key in ("reduce_bucket_size", "allgather_bucket_size"):
             setattr(z, key, as_int(name, v, 1))
-        elif key == "stage3_prefetch_bucket_size":
-            z.stage3_prefetch_bucket_size = None if v is None else as_int(name, v, 0)
-        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                     "stage3_max_reuse_distance"):
+        elif key in ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance"):  # null: the backend's
+            setattr(z, key, None if v is None else as_int(name, v, 0))
+        elif key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters"):
             setattr(z, key, as_int(name, v, 0))
         elif key == "sub_group_size":
             z.sub_group_size = as_int(name, v, 1)

@@ -32,9 +32,9 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000      # max elements one gradient collective moves
     allgather_bucket_size: int = 500_000_000   # max elements one parameter all-gather moves
     stage3_param_persistence_threshold: int = 0  # units this small stay gathered (stage 3)
-    stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the next unit
+    stage3_prefetch_bucket_size: int | None = None  # elements prefetched ahead; None: the backend's
     stage3_max_live_parameters: int = 1_000_000_000  # no prefetch past this many gathered elements
-    stage3_max_reuse_distance: int = 0         # units reused within this many elements stay (DeepSpeed: 1e9)
+    stage3_max_reuse_distance: int | None = None  # units reused this near stay; None: the backend's
     sub_group_size: int = 100_000_000          # the step's owned elements at once (DeepSpeed's default: 1e9)
     overlap_comm: bool = True                  # on at every stage, as DDP overlaps (DeepSpeed: stage 3 only)
     reduce_scatter: bool = True
