@@ -153,6 +153,9 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     accumulation = engine.config.gradient_accumulation_steps
     print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
+    if args.stage == 3 and step_bytes < 3 * psi * BYTES_PER_PARAM[args.precision][0] * accumulation:
+        print("  (below 3Ψ: the root, and units kept gathered from forward into backward, are not "
+              "gathered again; see stage3_max_reuse_distance in docs/configuration.md)")
     first = f"{history[0]:.4f} at step 1 -> " if history else ""
     print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
           f"{seconds:.1f} s in training steps this run")
