@@ -128,11 +128,11 @@ class Engine(EngineState, EngineCompat):
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         z = config.zero
-        forward, backward, reuse = gathering_limits(z.stage3_prefetch_bucket_size,
-                                                    z.stage3_max_reuse_distance, comm.device.type)
-        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, forward,
-                                    z.stage3_max_live_parameters, reuse, self.reducer.reduce_ready,
-                                    keep_tail=comm.device.type != "cuda", backward_numel=backward)
+        limits = gathering_limits(z.stage3_prefetch_bucket_size, z.stage3_max_reuse_distance,
+                                  config.overlap_comm, comm.device.type)
+        self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, limits.forward,
+                                    z.stage3_max_live_parameters, limits.reuse, self.reducer.reduce_ready,
+                                    keep_tail=limits.keep_tail, backward_numel=limits.backward)
         install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank,
                       comm.world_size)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it

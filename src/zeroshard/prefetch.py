@@ -7,40 +7,51 @@ A unit backward will reach soon (stage3_max_reuse_distance) is not freed after i
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
-from .gather_together import TOGETHER_NUMEL, prefetch_flats
+from . import gather_together
+from .gather_together import prefetch_flats
 from .units import Unit, UnitProgress
 
 
 Window = int | None  # elements prefetched ahead; None: exactly the next unit
 
 
-def gathering_limits(prefetch_numel: Window, reuse_numel: int | None,
-                     device_type: str) -> tuple[Window, Window, int]:
-    """The forward's and backward's prefetch windows and the reuse distance: from
-    stage3_prefetch_bucket_size and stage3_max_reuse_distance, or where unset, the backend's.
+class GatherLimits(NamedTuple):
+    forward: Window    # forward's prefetch window
+    backward: Window   # backward's
+    reuse: int         # stage3_max_reuse_distance (DeepSpeed's count)
+    keep_tail: bool    # the last two units stay gathered into backward (see keeps_for_backward)
 
-    On CUDA: the next unit prefetched, none kept for backward beyond the tail, as FSDP2 does: a
-    gather there costs little beside its bytes, and memory is what binds. On gloo a collective costs
-    a fixed ~0.3 ms of CPU beside its bytes, which overlap does not hide on busy cores, and a model
-    of small units paid it once a unit, in forward and again in backward. There a constant-size
-    window of TOGETHER_NUMEL elements (4 MiB of fp32): forward prefetches the units that run next
-    while they fit it (gather_together sends them as one collective), and a unit whose later units
-    fit it stays gathered into backward (a reuse distance of twice that: their forward and backward),
-    so such a model is gathered once a step. Backward still prefetches one unit at a time: which
-    unit backward reaches first can depend on the data (an output in the loss of some ranks only),
-    and gathers of one unit keep such ranks' collectives alike in size, so the divergence check
-    names the cause where wider ones made gloo abort on a size mismatch first. Memory still does not
-    grow with the model; a model of larger units (a GPT-2 block has 7M elements) is gathered as on
-    CUDA."""
-    if device_type == "cuda" or prefetch_numel is not None:
-        forward = backward = prefetch_numel
+
+def gathering_limits(prefetch_numel: Window, reuse_numel: int | None, prefetch: bool,
+                     device_type: str) -> GatherLimits:
+    """From stage3_prefetch_bucket_size and stage3_max_reuse_distance, or where unset, the backend's.
+
+    On CUDA: the next unit prefetched and none kept for backward, as FSDP2 does: a gather there
+    costs little beside its bytes, and memory is what binds. On gloo a collective costs a fixed
+    ~0.3 ms of CPU beside its bytes, which overlap does not hide on busy cores, and a model of small
+    units paid it once a unit, in forward and again in backward. There, with prefetch on, a
+    constant-size window of TOGETHER_NUMEL elements (4 MiB of fp32): forward prefetches the units
+    that run next while they fit it (gather_together sends them as one collective), and a unit whose
+    later units fit it stays gathered into backward (a reuse distance of twice that: their forward
+    and backward), so such a model is gathered once a step. Backward still prefetches one unit at a
+    time: which unit backward reaches first can depend on the data (an output in the loss of some
+    ranks only), and gathers of one unit keep such ranks' collectives alike in size, so the
+    divergence check names the cause where wider ones made gloo abort on a size mismatch first.
+    Memory still does not grow with the model; a model of larger units (a GPT-2 block has 7M
+    elements) is gathered as on CUDA, but for the tail. Without prefetch (overlap_comm false, or a
+    window of 0) nothing is kept: the paper's profile, the least memory."""
+    gloo = device_type != "cuda"
+    window = gather_together.TOGETHER_NUMEL  # read now: one knob for the run limit and the window
+    if gloo and prefetch_numel is None:
+        forward, backward = window, None
     else:
-        forward, backward = TOGETHER_NUMEL, None
+        forward = backward = prefetch_numel
+    prefetching = prefetch and forward != 0
     if reuse_numel is None:
-        reuse_numel = 0 if device_type == "cuda" else 2 * TOGETHER_NUMEL
-    return forward, backward, reuse_numel
+        reuse_numel = 2 * window if gloo and prefetching else 0
+    return GatherLimits(forward, backward, reuse_numel, keep_tail=gloo and prefetching)
 
 
 class UnitOrder:
@@ -105,8 +116,8 @@ class UnitOrder:
         if unit in later:
             return False  # it runs again in this forward: that later use decides
         ahead = sum(u.numel for u in later)
-        if ahead == 0:
-            return self.keep_tail
+        if ahead == 0 and (self.keep_tail or self.max_reuse_numel == 0):
+            return self.keep_tail  # (else the last unit is 0 from its backward: within the distance)
         prefetched_first = len(later) == 1 and self.keep_tail
         if not prefetched_first and 2 * ahead > self.max_reuse_numel:
             return False

@@ -85,7 +85,7 @@ def _constant_buffers(rank: int, world_size: int) -> None:
     """CB: gathered units, full-size gradients and staging buckets do not grow with the model.
     (Stage 3 at gloo's defaults, their window narrowed below these models: 2^20 elements would
     hold them whole.)"""
-    zeroshard.prefetch.TOGETHER_NUMEL = 20_000  # the window of gloo's defaults (prefetch, reuse)
+    zeroshard.gather_together.TOGETHER_NUMEL = 20_000  # the window of gloo's defaults (prefetch, reuse)
     x, y = rank_batch(rank, world_size)
     for stage in (2, 3):
         seen = {}
@@ -118,7 +118,7 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     unit = -(-block // world_size) * world_size
     root = None
     results = {}
-    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # CUDA's defaults
+    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # one unit at a time
     for name, extra in {"next unit": {}, "none": {"stage3_prefetch_bucket_size": 0},
                         "3 units": {"stage3_prefetch_bucket_size": 3 * unit},
                         "under a unit": {"stage3_prefetch_bucket_size": unit // 2},  # overshoots by one
@@ -128,10 +128,13 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                         "reuse": {"stage3_max_reuse_distance": 6 * unit},
                         "reuse, live cap": {"stage3_max_reuse_distance": 6 * unit,
                                             "stage3_max_live_parameters": "root + 3 units"},
-                        "CUDA's free tail": {}, "gloo's window": None}.items():
+                        "CUDA's free tail": {},
+                        "CUDA's free tail, reuse": {"stage3_max_reuse_distance": 6 * unit},
+                        "gloo's window": {},
+                        "gloo's, no prefetch": {"stage3_prefetch_bucket_size": 0}}.items():
         torch.manual_seed(0)
         model = TinyGPT(d=32, layers=8)
-        extra = {} if extra is None else {**paper, **extra}  # None: the defaults on gloo
+        extra = extra if name.startswith("gloo's") else {**paper, **extra}  # gloo's: its defaults
         cap = extra.get("stage3_max_live_parameters")
         if isinstance(cap, str):
             extra = {**extra, "stage3_max_live_parameters": root + int(cap.split()[2]) * unit}
@@ -139,8 +142,8 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
                                       {"zero_optimization": {"stage": 3, **extra},
                                        "zeroshard": {"unit_modules": ["Block"]}})
         root = engine.units[0].numel
-        assert engine.unit_order.keep_tail == (name != "none")  # (with prefetch on gloo; not on CUDA)
-        engine.unit_order.keep_tail &= name != "CUDA's free tail"
+        assert engine.unit_order.keep_tail == ("none" not in name and "no prefetch" not in name)  # (gloo)
+        engine.unit_order.keep_tail &= not name.startswith("CUDA's free tail")
         most, kept, most_back = [], [], []
         for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward, backward
             b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
@@ -164,7 +167,8 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     # With prefetch, the last two blocks stay: backward needs the last first and prefetches the other.
     # On CUDA they are freed too (as FSDP2 does), and gathered again in backward, the last one first.
     assert kept == {"next unit": 2, "none": 0, "3 units": 2, "under a unit": 2, "3 units, live cap": 2,
-                    "reuse": 4, "reuse, live cap": 3, "CUDA's free tail": 0, "gloo's window": 9}, kept
+                    "reuse": 4, "reuse, live cap": 3, "CUDA's free tail": 0, "CUDA's free tail, reuse": 4,
+                    "gloo's window": 9, "gloo's, no prefetch": 0}, kept
     assert gathers["CUDA's free tail"] == gathers["next unit"] + 2, gathers
     # With prefetch, gathers issued together go out as one collective: the root's with the first
     # block's, and the blocks a bucket prefetches at once ("3 units").
@@ -182,6 +186,11 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     # forward into its backward: no backward gathers
     assert results["gloo's window"][0] == back["gloo's window"] == len(engine.units) - 1 == 9
     assert gathers["gloo's window"] <= 2 < gathers["3 units"], gathers
+    # A reuse distance keeps the last unit too (0 from its backward), with or without the tail rule;
+    # and without prefetch gloo's defaults keep nothing, as the paper's profile (the least memory)
+    assert gathers["CUDA's free tail, reuse"] == gathers["reuse"], gathers
+    assert results["gloo's, no prefetch"][:1] + results["gloo's, no prefetch"][2:] == \
+        results["none"][:1] + results["none"][2:], results
     assert len({tuple(losses) for _, losses, _, _, _ in results.values()}) == 1  # bit-identical losses
 
 

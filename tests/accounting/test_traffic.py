@@ -19,7 +19,7 @@ from wiretap import by_kind, wiretap  # noqa: E402  (torch.distributed's Python 
 
 def _traffic(rank: int, world_size: int, directory: str) -> None:
     x, y = rank_batch(rank, world_size)
-    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # CUDA's defaults
+    paper = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}  # one unit at a time
     for stage, extra in [(0, {}), (1, {}), (2, {}), (3, paper), (3, {})]:
         torch.manual_seed(0)
         engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),

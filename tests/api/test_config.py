@@ -192,8 +192,10 @@ def test_bad_sources(tmp_path):
 
 def test_prefetch_bucket_accepts_null_and_defer_gather_its_stages():
     cfg = Config.load({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": None,
-                                             "stage3_max_live_parameters": 5e6}})
+                                             "stage3_max_live_parameters": 5e6,
+                                             "stage3_max_reuse_distance": None}})
     assert cfg.zero.stage3_prefetch_bucket_size is None and cfg.zero.stage3_max_live_parameters == 5_000_000
+    assert cfg.zero.stage3_max_reuse_distance is None  # null: the backend's (prefetch.gathering_limits)
     cfg = Config.load({"zero_optimization": {"stage": 2, "overlap_comm": False},
                        "zeroshard": {"defer_param_gather": True}})
     assert cfg.defer_param_gather and not cfg.overlap_comm  # independent of overlap_comm

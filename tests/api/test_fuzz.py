@@ -140,7 +140,7 @@ OFFLOAD = section({"device": st.sampled_from(["cpu", "none", "nvme", "gpu"]) | J
 ZERO = section({
     "stage": st.integers(-1, 4) | JUNK, "reduce_bucket_size": SIZE, "allgather_bucket_size": SIZE,
     "stage3_param_persistence_threshold": SIZE, "stage3_prefetch_bucket_size": SIZE | st.none(),
-    "stage3_max_live_parameters": SIZE, "stage3_max_reuse_distance": SIZE, "sub_group_size": SIZE,
+    "stage3_max_live_parameters": SIZE, "stage3_max_reuse_distance": SIZE | st.none(), "sub_group_size": SIZE,
     "contiguous_gradients": BOOL,
     "overlap_comm": BOOL, "reduce_scatter": BOOL, "allgather_partitions": BOOL,
     "offload_optimizer": OFFLOAD, "offload_param": OFFLOAD},
@@ -176,7 +176,7 @@ _PLACE = st.fixed_dictionaries({}, optional={"device": st.sampled_from(["cpu", "
 TRAINABLE_ZERO = st.fixed_dictionaries({"stage": st.integers(0, 3)}, optional={
     "reduce_bucket_size": _SMALL, "allgather_bucket_size": _SMALL, "sub_group_size": _SMALL,
     "stage3_param_persistence_threshold": _COUNT, "stage3_prefetch_bucket_size": _COUNT | st.none(),
-    "stage3_max_live_parameters": _COUNT, "stage3_max_reuse_distance": _COUNT,
+    "stage3_max_live_parameters": _COUNT, "stage3_max_reuse_distance": _COUNT | st.none(),
     "contiguous_gradients": st.booleans(),
     "overlap_comm": st.booleans(), "offload_optimizer": _PLACE, "offload_param": _PLACE})
 _OPTIMIZER_VALUES = (st.floats(-1, 2) | st.sampled_from([0.0, 1e-3, 0.9, 1e30, float("nan")])

@@ -50,8 +50,9 @@ def _sgd(p):
 
 def _unused_on_some_ranks(rank: int, world_size: int, blocks: int) -> None:
     """Each unit's buffer completes in backward on one rank and not on the other. With 6 blocks
-    stage 3 gathers in backward too: its reduce-scatters must still meet the gathers in the same
-    order on every rank (they once went out as each buffer completed, a different place per rank)."""
+    stage 3 gathers in backward too (one unit at a time; at gloo's defaults this small model stays
+    gathered into backward from the second step): its reduce-scatters must still meet the gathers in
+    the same order on every rank (they once went out as each buffer completed, a different place per rank)."""
     torch.manual_seed(0)
     ref = RoutedModel(blocks=blocks)
     opt = _sgd(ref.parameters())
@@ -62,10 +63,11 @@ def _unused_on_some_ranks(rank: int, world_size: int, blocks: int) -> None:
         (sum(loss_fn(ref(x), y) for x, y in parts) / world_size).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    for stage in range(4):
+    one_at_a_time = {"stage3_prefetch_bucket_size": 1, "stage3_max_reuse_distance": 0}
+    for stage, extra in [(0, {}), (1, {}), (2, {}), (3, {}), (3, one_at_a_time)]:
         torch.manual_seed(0)
         engine = zeroshard.initialize(RoutedModel(blocks=blocks), _sgd,
-                                      {"zero_optimization": {"stage": stage}})
+                                      {"zero_optimization": {"stage": stage, **extra}})
         for step in range(3):
             x, y = _routed_data(step, world_size)[rank]
             engine.backward(loss_fn(engine(x), y))
