@@ -68,9 +68,9 @@ class UnitOrder:
     def __init__(self, prefetch: bool, on_gather: Callable[[], None] = lambda: None,
                  prefetch_numel: Window = None, max_live_numel: int = 10**9,
                  max_reuse_numel: int = 0, on_passed: Callable[[], None] = lambda: None,
-                 keep_tail: bool = True, backward_numel: Window = None) -> None:
+                 keep_tail: bool = False, backward_numel: Window = None) -> None:
         self.enabled = prefetch
-        self.keep_tail = keep_tail and prefetch and prefetch_numel != 0  # see keeps_for_backward
+        self.keep_tail = keep_tail  # (gathering_limits: with prefetch, on gloo) see keeps_for_backward
         self.on_passed = on_passed  # the reducer: reduce what the units backward has passed hold
         self.prefetch_numel = prefetch_numel  # forward's window (gathering_limits)
         self.backward_numel = backward_numel  # backward's

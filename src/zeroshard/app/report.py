@@ -60,12 +60,17 @@ def memory_table(per_rank: list[dict[str, int]], psi: int, stage: int, pgk: tupl
     return lines
 
 
+def paper_traffic_factor(stage: int, accumulation: int = 1) -> int:
+    """The paper's elements moved per optimizer step, in Ψ: 2Ψ (stages 0-2) or 3Ψ (stage 3) per
+    iteration. With `accumulation` micro-batches a step, stages 0-1 still reduce once; stage 2
+    reduce-scatters every micro-batch (then gathers Ψ once), stage 3 sends 3Ψ in each."""
+    return {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
+
+
 def traffic_line(step_bytes: int, psi: int, stage: int, precision: str, accumulation: int = 1) -> str:
-    """Bytes moved in the last optimizer step beside the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3)
-    elements per iteration. With `accumulation` micro-batches a step, stages 0-1 still reduce once;
-    stage 2 reduce-scatters every micro-batch (then gathers Ψ once), stage 3 sends 3Ψ in each."""
+    """Bytes moved in the last optimizer step beside the paper's (paper_traffic_factor)."""
     element = BYTES_PER_PARAM[precision][0]
-    factor = {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
+    factor = paper_traffic_factor(stage, accumulation)
     why = f", {accumulation} micro-batches a step" if accumulation > 1 and stage >= 2 else ""
     return (f"traffic per step: {step_bytes / MIB:.2f} MiB (paper: {factor}Ψ x {element} bytes = "
             f"{factor * psi * element / MIB:.2f} MiB{why})")
@@ -153,7 +158,8 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     accumulation = engine.config.gradient_accumulation_steps
     print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
-    if args.stage == 3 and step_bytes < 3 * psi * BYTES_PER_PARAM[args.precision][0] * accumulation:
+    paper_bytes = paper_traffic_factor(args.stage, accumulation) * psi * BYTES_PER_PARAM[args.precision][0]
+    if args.stage == 3 and step_bytes < paper_bytes:
         print("  (below 3Ψ: the root, and units kept gathered from forward into backward, are not "
               "gathered again; see stage3_max_reuse_distance in docs/configuration.md)")
     first = f"{history[0]:.4f} at step 1 -> " if history else ""
