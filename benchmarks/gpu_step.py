@@ -39,7 +39,8 @@ def build_model(args: argparse.Namespace, shape: dict | None = None):
 
 
 def make_step(name: str, model, device, args: argparse.Namespace):
-    """(input_ids) -> loss tensor, one optimizer step done."""
+    """(input_ids, mark) -> loss tensor, one optimizer step done; mark(phase) is called as forward,
+    backward and the update end (--phases times them)."""
     import torch
     fused = device.type == "cuda"
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-4, fused=fused)  # noqa: E731
@@ -53,12 +54,15 @@ def make_step(name: str, model, device, args: argparse.Namespace):
             fully_shard(model, mp_policy=policy)
         opt = adamw(model.parameters())
 
-        def step(ids):
+        def step(ids, mark):
             with torch.autocast(device.type, torch.bfloat16, enabled=name == "torch_amp"):
                 loss = model(input_ids=ids, labels=ids).loss
+            mark("forward")
             loss.backward()
+            mark("backward")
             opt.step()
             opt.zero_grad(set_to_none=True)
+            mark("update")
             return loss
         return step
     import zeroshard
@@ -66,10 +70,13 @@ def make_step(name: str, model, device, args: argparse.Namespace):
     engine = zeroshard.initialize(model, adamw, {"zero_optimization": {"stage": stage},
                                                  "bf16": {"enabled": True}})
 
-    def step(ids):
+    def step(ids, mark):
         loss = engine(input_ids=ids, labels=ids).loss
+        mark("forward")
         engine.backward(loss)
+        mark("backward")
         engine.step()
+        mark("update")
         return loss
     return step
 
@@ -89,19 +96,30 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     model, vocab = build_model(args)
     step = make_step(name, model, device, args)
     g = torch.Generator().manual_seed(1)
-    times, loss = [], float("nan")
+    times, phases, loss = [], {"forward": [], "backward": [], "update": []}, float("nan")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for i in range(args.warmup + args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step(ids).item()  # .item() waits for the step's kernels
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
+        start = last = time.perf_counter()
+
+        def mark(phase: str) -> None:
+            # Only under --phases: a sync between phases takes away their overlap, so the step's
+            # own time is then not the figure to report.
+            nonlocal last
+            if args.phases and i >= args.warmup:
+                sync()
+                phases[phase].append(time.perf_counter() - last)
+                last = time.perf_counter()
+        loss = step(ids, mark).item()  # .item() waits for the step's kernels
+        sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return {"name": name, "step_s": statistics.median(times), "loss": loss, "peak_gib": peak / 2**30}
+    result = {"name": name, "step_s": statistics.median(times), "loss": loss, "peak_gib": peak / 2**30}
+    if args.phases:
+        result.update({f"{k}_s": statistics.median(v) for k, v in phases.items()})
+    return result
 
 
 # ---- shared with offload.py: options, one fresh process per run, the report files ----------
@@ -156,6 +174,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_options(p)
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    p.add_argument("--phases", action="store_true",
+                   help="also time forward, backward and the update apart (a sync between them)")
     args = parse_run_args(p, worker)
     if args is None:
         return
@@ -167,12 +187,15 @@ def main() -> None:
                 results[name].append(r)
                 print(f"round {round_ + 1}: {name} {r['step_s']:.3f} s", flush=True)
     tokens = args.batch * args.seq
-    lines = [f"{'run':<13} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"]
+    phase_keys = ["forward_s", "backward_s", "update_s"] if args.phases else []
+    lines = [f"{'run':<13} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"
+             + "".join(f" {k:>11}" for k in phase_keys)]
     for name, runs in results.items():
         if runs:
             s = statistics.median(r["step_s"] for r in runs)
             lines.append(f"{name:<13} {s:>8.3f} {tokens / s:>10,.0f} {runs[-1]['peak_gib']:>13.2f} "
-                         f"{runs[-1]['loss']:>10.4f}")
+                         f"{runs[-1]['loss']:>10.4f}"
+                         + "".join(f" {statistics.median(r[k] for r in runs):>11.4f}" for k in phase_keys))
     write("gpu_step", lines, {"args": vars(args), "results": results})
 
 
