@@ -129,8 +129,10 @@ class FlatParam(FlatGrad):
         for p, view, spec in zip(self.params, self._views, self.specs):
             point(p, view, spec)
 
-    def _point_params_at_placeholder(self) -> None:
-        self._placeholder.point(self.params, self.specs)
+    def refuse_replaced(self) -> None:
+        """Before parameters are pointed elsewhere: none was replaced, nor a placeholder written."""
+        gathered = self.state is ParamState.GATHERED
+        self._placeholder.refuse_replaced(self.params, self._views if gathered else None, self.layout.slots)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
@@ -160,7 +162,7 @@ class FlatParam(FlatGrad):
         """An all-gather into `full` is in flight: gather() completes it."""
         self._gathering = pending
         if self.state is ParamState.GATHERED:  # stray reads fail loudly, not see half-written values
-            self._point_params_at_placeholder()
+            self._placeholder.point(self.params, self.specs)
         self._set_state(ParamState.GATHERING)
 
     def _storage_back(self) -> torch.Tensor:
@@ -198,12 +200,12 @@ class FlatParam(FlatGrad):
     def gather(self) -> None:
         """Make `full` current and point module parameters at it (a no-op where it is: always at
         stages 0-2, except after a step with gather_behind_forward)."""
+        self.refuse_replaced()
         if self.state is ParamState.GATHERED:
             return
         self.prefetch()
         with torch.no_grad():
             complete(self._gathering)
-        self._placeholder.check_untouched(self.params, self.layout.slots)
         self._point_params_at_full()
         self._set_state(ParamState.GATHERED)
 
@@ -212,7 +214,8 @@ class FlatParam(FlatGrad):
         if self.persistent or self.state is ParamState.SHARDED:
             return
         complete(self._gathering)  # an all-gather in flight must land before its storage goes
-        self._point_params_at_placeholder()
+        self.refuse_replaced()  # (their values would be lost unseen)
+        self._placeholder.point(self.params, self.specs)
         self.full.untyped_storage().resize_(0)
         self._set_state(ParamState.SHARDED)
 
@@ -293,4 +296,3 @@ class FlatParam(FlatGrad):
         """Complete the all-gather write_back() issued, unless the next forward is to."""
         if self.state is ParamState.GATHERING and not self.gather_behind_forward:
             self.gather()
-

@@ -74,6 +74,8 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
         unit.edits_taken = modifier_rank is not None
     try:
         yield
+        for flat in flats:  # `p.data = t` inside: t would be dropped here without a word
+            flat.refuse_replaced()
         if modifier_rank is not None:
             _take_changes(flats, seen, comm, modifier_rank)
             taken = True

@@ -7,13 +7,18 @@ and the master, which the write never reaches. So each placeholder's autograd ve
 the parameter is pointed at it, and the next gather refuses a parameter whose version moved, by
 name, with the way to change weights that does reach them. (`p.data.zero_()` bypasses the version
 counter, as it bypasses autograd: that one cannot be seen.)
+
+Nor does the counter see a parameter's tensor replaced (`p.data = t`, `model.half()` or `.to()` after
+initialize): the parameter then computes with a tensor zeroshard never reads, trained apart from the
+shards or not at all, and the next gather would silently undo it. So every gather and free first
+checks that each parameter still holds what it was pointed at (`Placeholders.refuse_replaced`).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .parallel.dtensor import TpSpec, point
+from .parallel.dtensor import TpSpec, local_of, point
 from .partition import Slot
 
 
@@ -32,6 +37,25 @@ class Placeholders:
     def note(self, params: list[nn.Parameter]) -> None:
         """Take the versions as they are now (after zeroshard's own version bump at a step)."""
         self.versions = [p._version for p in params]
+
+    def refuse_replaced(self, params: list[nn.Parameter], views: list[torch.Tensor] | None,
+                        slots: list[Slot]) -> None:
+        """Each parameter still computes with what it was pointed at: its view of the flat buffer
+        (`views`, while gathered), or else this placeholder, unwritten (check_untouched)."""
+        expected = views or [self.empty] * len(params)
+        # By memory alone (a replacement is new memory; `model.half()` too): this runs at every
+        # gather and free, so it must cost little (0.3 us a parameter here).
+        replaced = [slot.names[0] for p, e, slot in zip(params, expected, slots)
+                    if local_of(p).data_ptr() != e.data_ptr()]
+        if replaced:
+            raise RuntimeError(
+                f"{', '.join(replaced)}: the parameter's tensor was replaced after initialize() (`p.data = "
+                f"...`, or model.half()/.to()/.cuda() on the engine's model), so its new values would be "
+                f"neither trained nor kept. Write values in place instead, inside `with "
+                f"engine.gathered_parameters(modifier_rank=0):` (p.copy_(new) under torch.no_grad()), or "
+                f"change the model before initialize()")
+        if views is None:
+            self.check_untouched(params, slots)
 
     def check_untouched(self, params: list[nn.Parameter], slots: list[Slot]) -> None:
         """Before the parameters view gathered values again: none was written meanwhile."""

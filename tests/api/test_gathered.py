@@ -196,3 +196,33 @@ def test_a_write_into_a_placeholder_is_refused_by_name(one_process_group, stage,
         torch.nn.init.zeros_(model.blocks[1].up.weight)
     engine.backward(loss_fn(engine(x), y))
     assert engine.full_state_dict()["blocks.1.up.weight"].abs().sum() == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("how", ["assign", "half", "inside gathered_parameters"])
+def test_a_replaced_parameter_tensor_is_refused_by_name(one_process_group, stage, how):
+    """`p.data = t` (or model.half()) after initialize() leaves the parameter computing with a tensor
+    zeroshard never reads: at stages 0-2 the forward used it while the flat buffer trained on and
+    the checkpoint kept the old values; at stage 3 the next gather undid it. Silent before (the
+    version counter does not see it); now refused by name at the next gather, free or step, before
+    the optimizer touches anything."""
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": stage}})
+    x, y = batches(1, 2)[0]
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    before = [f.owned_values().clone() for f in engine.flats]
+    match = "blocks.1.up.weight: the parameter's tensor was replaced after initialize"
+    with pytest.raises(RuntimeError, match=match if how != "half" else "tensor was replaced"):
+        if how == "inside gathered_parameters":
+            with engine.gathered_parameters(modifier_rank=0) as model:
+                model.blocks[1].up.weight.data = torch.zeros_like(model.blocks[1].up.weight)
+        else:
+            if how == "assign":
+                engine.module.blocks[1].up.weight.data = torch.full((64, 16), 7.0)
+            else:
+                engine.module.half()
+            engine.backward(loss_fn(engine(x).float(), y))
+            engine.step()
+    for flat, values in zip(engine.flats, before):  # (a gather refuses again until it is undone)
+        assert torch.equal(flat.owned_values(), values), f"{flat.label}: changed although refused"
