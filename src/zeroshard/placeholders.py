@@ -43,10 +43,11 @@ class Placeholders:
         """Each parameter still computes with what it was pointed at: its view of the flat buffer
         (`views`, while gathered), or else this placeholder, unwritten (check_untouched)."""
         expected = views or [self.empty] * len(params)
-        # By memory alone (a replacement is new memory; `model.half()` too): this runs at every
-        # gather and free, so it must cost little (0.3 us a parameter here).
+        # By memory and dtype (a replacement is new memory, but empty ones share address 0: an empty
+        # placeholder cast by `model.half()` differs in dtype only). This runs at every gather and
+        # free, so it must cost little (0.4 us a parameter here).
         replaced = [slot.names[0] for p, e, slot in zip(params, expected, slots)
-                    if local_of(p).data_ptr() != e.data_ptr()]
+                    if (t := local_of(p)).data_ptr() != e.data_ptr() or t.dtype != e.dtype]
         if replaced:
             raise RuntimeError(
                 f"{', '.join(replaced)}: the parameter's tensor was replaced after initialize() (`p.data = "
