@@ -17,6 +17,7 @@ from torch import nn
 
 from . import checkpoint, checkpoint_load, gathered, memory, nvme
 from .comm import Comm
+from .flat_param import ParamState
 from .integrity import CheckpointError
 from .parallel.dtensor import full_tensor
 
@@ -204,7 +205,10 @@ class EngineState:
     def _note_temporaries(self) -> None:
         """Sample the temporaries (gathered units, full-size gradients, in-flight reductions) at
         the moments they peak: after each unit is gathered and when a buffer's gradient is complete."""
-        now = sum(map(memory.temporary_bytes, self.flats))
+        # (After every gather: the flats with nothing temporary, most of them at stage 3, are passed
+        # over by the cheapest test, or a model of many units would spend O(units) calls per gather.)
+        now = sum(memory.temporary_bytes(f) for f in self.flats
+                  if f.state is not ParamState.SHARDED or f.grad_full is not None or f.inflight)
         self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:

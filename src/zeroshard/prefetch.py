@@ -7,7 +7,8 @@ A unit backward will reach soon (stage3_max_reuse_distance) is not freed after i
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from itertools import islice
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from . import gather_together
 from .gather_together import prefetch_flats
@@ -80,17 +81,30 @@ class UnitOrder:
         self.previous: list[Unit] = []  # the last complete forward
         self.current: list[Unit] = []   # this forward, so far
         self._backward_at = 0           # where backward has reached in `current`
+        # Read off `previous` once a forward, so each unit's decisions cost O(1), not O(units): a
+        # model of 96 blocks otherwise spent ~9 ms a forward here. _last_at: a unit's last position;
+        # _after[i], _units_after[i]: elements and number of the distinct units in previous[i:];
+        # _known_numel: the elements of every unit seen.
+        self._last_at: dict[Unit, int] = {}
+        self._after: list[int] = [0]
+        self._units_after: list[int] = [0]
+        self._known: dict[Unit, None] = {}
+        self._known_numel = 0
 
     def before_forward(self, unit: Unit) -> None:
         if unit.is_root:  # a new forward starts at the root
             self.previous, self.current = (self.current or self.previous), []
+            self._read_previous()
+        if unit not in self._known:
+            self._known[unit] = None
+            self._known_numel += unit.numel
         self.current.append(unit)
         unit.set_progress(UnitProgress.RAN_FORWARD)
         self._backward_at = len(self.current)
         if self.enabled:  # issue this unit's all-gather and the next ones', then wait for this one:
             # the next gathers overlap this wait. Those not yet in flight (the first unit's and the
             # next, after a step) go out as one collective: on gloo each has a fixed cost beside its bytes.
-            upcoming = self.previous[len(self.current):]
+            upcoming = islice(self.previous, len(self.current), None)
             prefetch_together([unit] + self._to_prefetch(upcoming, self.prefetch_numel, unit))
         unit.gather()
         self.on_gather()
@@ -112,17 +126,27 @@ class UnitOrder:
         i = len(self.current) - 1
         if i >= len(self.previous) or self.previous[i] is not unit:
             return False
-        later = dict.fromkeys(self.previous[i + 1:])  # each unit once
-        if unit in later:
+        if self._last_at[unit] > i:
             return False  # it runs again in this forward: that later use decides
-        ahead = sum(u.numel for u in later)
+        ahead = self._after[i + 1]  # the later units' elements, each unit once
         if ahead == 0 and (self.keep_tail or self.max_reuse_numel == 0):
             return self.keep_tail  # (else the last unit is 0 from its backward: within the distance)
-        prefetched_first = len(later) == 1 and self.keep_tail
+        prefetched_first = self._units_after[i + 1] == 1 and self.keep_tail
         if not prefetched_first and 2 * ahead > self.max_reuse_numel:
             return False
+        if self._known_numel <= self.max_live_numel:
+            return True  # everything gathered at once would fit
         held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.gathered)
         return held + unit.numel + ahead <= self.max_live_numel
+
+    def _read_previous(self) -> None:
+        """_last_at and _after for the forward just recorded (see __init__)."""
+        self._last_at = {u: i for i, u in enumerate(self.previous)}
+        self._after, self._units_after = [0] * (len(self.previous) + 1), [0] * (len(self.previous) + 1)
+        for i in range(len(self.previous) - 1, -1, -1):
+            last = self._last_at[self.previous[i]] == i  # a unit counts once: at its last position
+            self._after[i] = self._after[i + 1] + (self.previous[i].numel if last else 0)
+            self._units_after[i] = self._units_after[i + 1] + last
 
     def before_backward(self, unit: Unit) -> None:
         """Backward reached `unit` (a hook on its outputs: alike on every rank). First the units
@@ -138,17 +162,21 @@ class UnitOrder:
         unit.gather()
         self.on_gather()
 
-    def _to_prefetch(self, upcoming: list[Unit], window: Window, running: Unit | None = None) -> list[Unit]:
+    def _to_prefetch(self, upcoming: Iterable[Unit], window: Window,
+                     running: Unit | None = None) -> list[Unit]:
         """The units to start gathering, of those that run next: the next one (a window of None),
         or as many as fit in the window's elements; never past stage3_max_live_parameters gathered
-        (`running` counted as gathered)."""
-        if not self.enabled or not upcoming:
+        (`running` counted as gathered). Reads `upcoming` only as far as the window reaches."""
+        if not self.enabled:
             return []
         if window is None:
-            upcoming = upcoming[:1]
-        live = sum(u.numel for u in dict.fromkeys(self.previous + self.current) if u.gathered or u is running)
+            upcoming = islice(upcoming, 1)
+        live = 0  # counted only where the limit can bind: it walks every unit
+        if self._known_numel > self.max_live_numel:
+            live = sum(u.numel for u in dict.fromkeys(self.previous + self.current)
+                       if u.gathered or u is running)
         ahead, due = 0, []  # elements of the upcoming units gathered or in flight, counted in order
-        for unit in dict.fromkeys(upcoming):
+        for unit in _each_once(upcoming):
             if window is not None and ahead >= window:
                 break  # as DeepSpeed: fetch while below the limit (the last unit may overshoot)
             ahead += unit.numel
@@ -180,6 +208,14 @@ class UnitOrder:
                     later.maybe_free()
                 return i
         return None
+
+
+def _each_once(units: Iterable[Unit]) -> Iterator[Unit]:
+    seen: set[Unit] = set()
+    for unit in units:
+        if unit not in seen:
+            seen.add(unit)
+            yield unit
 
 
 def prefetch_together(units: list[Unit]) -> None:

@@ -161,6 +161,8 @@ class Unit:
         self.progress = UnitProgress.RAN_FORWARD
         # Inside engine.gathered_parameters(): whether edits are taken (modifier_rank); None outside.
         self.edits_taken: bool | None = None
+        # Elements this unit gathers (buffers kept gathered do not count): fixed at initialize.
+        self.numel = sum(f.layout.padded_numel for f in flats if not f.persistent)
 
     def set_progress(self, new: UnitProgress) -> None:
         self.progress = move(self.progress, new, _PROGRESS_MOVES, f"unit '{self.name}'")
@@ -169,10 +171,6 @@ class Unit:
         for f in self.flats:
             f.gather()
 
-    @property
-    def numel(self) -> int:
-        """Elements this unit gathers (buffers kept gathered do not count)."""
-        return sum(f.layout.padded_numel for f in self.flats if not f.persistent)
 
     @property
     def gathered(self) -> bool:
