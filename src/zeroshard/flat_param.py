@@ -130,9 +130,9 @@ class FlatParam(FlatGrad):
             point(p, view, spec)
 
     def refuse_replaced(self) -> None:
-        """Before parameters are pointed elsewhere: none was replaced, nor a placeholder written."""
-        gathered = self.state is ParamState.GATHERED
-        self._placeholder.refuse_replaced(self.params, self._views if gathered else None, self.layout.slots)
+        """No parameter was replaced, nor a placeholder written (a replaced one is pointed back)."""
+        views = self._views if self.state is ParamState.GATHERED else None
+        self._placeholder.refuse_replaced(self.params, self.specs, views, self.layout.slots)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
@@ -200,14 +200,14 @@ class FlatParam(FlatGrad):
     def gather(self) -> None:
         """Make `full` current and point module parameters at it (a no-op where it is: always at
         stages 0-2, except after a step with gather_behind_forward)."""
-        self.refuse_replaced()
-        if self.state is ParamState.GATHERED:
-            return
-        self.prefetch()
-        with torch.no_grad():
-            complete(self._gathering)
-        self._point_params_at_full()
-        self._set_state(ParamState.GATHERED)
+        if self.state is not ParamState.GATHERED:
+            self.prefetch()
+            with torch.no_grad():
+                complete(self._gathering)
+        self.refuse_replaced()  # (after the collective: a rank refusing alone leaves no peer waiting)
+        if self.state is not ParamState.GATHERED:
+            self._point_params_at_full()
+            self._set_state(ParamState.GATHERED)
 
     def free(self) -> None:
         """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""

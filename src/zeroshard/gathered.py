@@ -74,8 +74,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
         unit.edits_taken = modifier_rank is not None
     try:
         yield
-        for flat in flats:  # `p.data = t` inside: t would be dropped here without a word
-            flat.refuse_replaced()
+        _refuse_replaced(flats, comm, modifier_rank)
         if modifier_rank is not None:
             _take_changes(flats, seen, comm, modifier_rank)
             taken = True
@@ -89,6 +88,24 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
                         flat.full.copy_(before)
         for unit in units:
             unit.free()  # stage 3 only: buffers kept gathered stay
+
+
+def _refuse_replaced(flats: list[FlatParam], comm: Comm, modifier_rank: int | None) -> None:
+    """Collective: `p.data = t` inside (on the modifying rank alone, typically) would be dropped here
+    without a word. Each replacement is pointed back and every rank raises alike, before any rank
+    reaches the broadcasts, where the others would wait for the one that raised."""
+    error = None
+    for flat in flats:
+        try:
+            flat.refuse_replaced()
+        except RuntimeError as e:
+            error = error or str(e)
+    collective = any(f.policy.shard_params for f in flats) or modifier_rank is not None
+    if collective and comm.world_size > 1:  # (a read below stage 3 may run on one rank alone)
+        comm.watch.clock.phase = "gathered_parameters()"  # (a forward inside, on one rank alone, set it)
+        error = next((e for e in comm.all_gather_objects(error) if e), None)
+    if error:
+        raise RuntimeError(error)
 
 
 def _take_changes(flats: list[FlatParam], seen: list, comm: Comm, modifier_rank: int) -> None:

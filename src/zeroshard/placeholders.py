@@ -38,10 +38,11 @@ class Placeholders:
         """Take the versions as they are now (after zeroshard's own version bump at a step)."""
         self.versions = [p._version for p in params]
 
-    def refuse_replaced(self, params: list[nn.Parameter], views: list[torch.Tensor] | None,
-                        slots: list[Slot]) -> None:
+    def refuse_replaced(self, params: list[nn.Parameter], specs: list[TpSpec | None],
+                        views: list[torch.Tensor] | None, slots: list[Slot]) -> None:
         """Each parameter still computes with what it was pointed at: its view of the flat buffer
-        (`views`, while gathered), or else this placeholder, unwritten (check_untouched)."""
+        (`views`, while gathered), or else this placeholder, unwritten (check_untouched). A replaced
+        one is pointed back before the refusal, so the engine stays whole for a retry."""
         expected = views or [self.empty] * len(params)
         # By memory and dtype (a replacement is new memory, but empty ones share address 0: an empty
         # placeholder cast by `model.half()` differs in dtype only). This runs at every gather and
@@ -49,18 +50,23 @@ class Placeholders:
         replaced = [slot.names[0] for p, e, slot in zip(params, expected, slots)
                     if (t := local_of(p)).data_ptr() != e.data_ptr() or t.dtype != e.dtype]
         if replaced:
+            for p, e, spec in zip(params, expected, specs):
+                point(p, e, spec)
+            if views is None:
+                self.note(params)
             raise RuntimeError(
                 f"{', '.join(replaced)}: the parameter's tensor was replaced after initialize() (`p.data = "
-                f"...`, or model.half()/.to()/.cuda() on the engine's model), so its new values would be "
-                f"neither trained nor kept. Write values in place instead, inside `with "
-                f"engine.gathered_parameters(modifier_rank=0):` (p.copy_(new) under torch.no_grad()), or "
-                f"change the model before initialize()")
+                f"...`, model.half()/.to()/.cuda(), or transformers' tie_weights() padding a tied layer's "
+                f"bias, on the engine's model), so its new values would be "
+                f"neither trained nor kept; the replacement is undone. Write values in place instead, "
+                f"inside `with engine.gathered_parameters(modifier_rank=0):` (p.copy_(new) under "
+                f"torch.no_grad()), or change the model before initialize()")
         if views is None:
             self.check_untouched(params, slots)
 
     def check_untouched(self, params: list[nn.Parameter], slots: list[Slot]) -> None:
         """Before the parameters view gathered values again: none was written meanwhile."""
-        versions, self.versions = self.versions, None
+        versions = self.versions  # (kept: only pointing at the placeholder again notes new ones)
         if versions is None:
             return
         written = [slot.names[0] for p, slot, v in zip(params, slots, versions) if p._version != v]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.engine import TrainingState
 from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, reference_run
 from helpers.spawn import spawn
 
@@ -205,7 +206,7 @@ def test_a_replaced_parameter_tensor_is_refused_by_name(one_process_group, stage
     zeroshard never reads: at stages 0-2 the forward used it while the flat buffer trained on and
     the checkpoint kept the old values; at stage 3 the next gather undid it. Silent before (the
     version counter does not see it); now refused by name at the next gather, free or step, before
-    the optimizer touches anything."""
+    the optimizer touches anything, and undone, so that training goes on from a whole engine."""
     torch.manual_seed(0)
     engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": stage}})
     x, y = batches(1, 2)[0]
@@ -224,5 +225,32 @@ def test_a_replaced_parameter_tensor_is_refused_by_name(one_process_group, stage
                 engine.module.half()
             engine.backward(loss_fn(engine(x).float(), y))
             engine.step()
-    for flat, values in zip(engine.flats, before):  # (a gather refuses again until it is undone)
+    for flat, values in zip(engine.flats, before):
         assert torch.equal(flat.owned_values(), values), f"{flat.label}: changed although refused"
+    if how == "half":
+        return  # (its buffers are half too: not a model to go on with)
+    if engine.state is TrainingState.BACKWARD_DONE:
+        engine.step()  # the refused step, retried: it was refused before anything changed
+    else:  # refused inside forward (stage 3) or at gathered_parameters()'s exit: train on
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 2 and engine.module.blocks[1].up.weight.numel() in (0, 64 * 16)
+    assert engine.full_state_dict()["blocks.1.up.weight"].abs().max() < 7.0  # the replacement: undone
+
+
+def _replaced_on_the_modifying_rank(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 3}})
+    with pytest.raises(RuntimeError, match="blocks.1.up.weight: the parameter's tensor was replaced"):
+        with engine.gathered_parameters(modifier_rank=0) as model:
+            if rank == 0:
+                model.blocks[1].up.weight.data = torch.zeros_like(model.blocks[1].up.weight)
+    x, y = batches(1, 2 * world_size)[0]
+    engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    engine.step()  # every rank raised alike and the engine is whole: training goes on
+
+
+def test_a_tensor_replaced_by_the_modifying_rank_alone_is_refused_on_every_rank():
+    """`p.data = t` on rank 0 alone inside gathered_parameters(modifier_rank=0) (the pattern of
+    rank-0 edits): every rank raises, none is left waiting in the exit's broadcasts."""
+    spawn(_replaced_on_the_modifying_rank, 2)
