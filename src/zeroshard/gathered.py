@@ -26,6 +26,7 @@ import torch
 
 from .comm import Comm
 from .flat_param import FlatParam, ParamState
+from .integrity import first_error
 from .offload import disk_store
 from .units import Unit
 
@@ -103,7 +104,7 @@ def _refuse_replaced(flats: list[FlatParam], comm: Comm, modifier_rank: int | No
     collective = any(f.policy.shard_params for f in flats) or modifier_rank is not None
     if collective and comm.world_size > 1:  # (a read below stage 3 may run on one rank alone)
         comm.watch.clock.phase = "gathered_parameters()"  # (a forward inside, on one rank alone, set it)
-        error = next((e for e in comm.all_gather_objects(error) if e), None)
+        error = first_error(comm, error)
     if error:
         raise RuntimeError(error)
 

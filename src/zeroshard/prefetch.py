@@ -88,7 +88,7 @@ class UnitOrder:
         self._last_at: dict[Unit, int] = {}
         self._after: list[int] = [0]
         self._units_after: list[int] = [0]
-        self._known: dict[Unit, None] = {}
+        self._known: set[Unit] = set()
         self._known_numel = 0
 
     def before_forward(self, unit: Unit) -> None:
@@ -96,7 +96,7 @@ class UnitOrder:
             self.previous, self.current = (self.current or self.previous), []
             self._read_previous()
         if unit not in self._known:
-            self._known[unit] = None
+            self._known.add(unit)
             self._known_numel += unit.numel
         self.current.append(unit)
         unit.set_progress(UnitProgress.RAN_FORWARD)

@@ -171,7 +171,6 @@ class Unit:
         for f in self.flats:
             f.gather()
 
-
     @property
     def gathered(self) -> bool:
         """Gathered, or an all-gather in flight."""
