@@ -116,10 +116,33 @@ def worker(name: str, args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    if args.profile:
+        profile_steps(name, step, vocab, device, args, g)
     result = {"name": name, "step_s": statistics.median(times), "loss": loss, "peak_gib": peak / 2**30}
     if args.phases:
         result.update({f"{k}_s": statistics.median(v) for k, v in phases.items()})
     return result
+
+
+def profile_steps(name: str, step, vocab: int, device, args: argparse.Namespace, g) -> None:
+    """Three more steps under torch.profiler; writes where device and host time went to
+    `args.profile`/`name`.txt (the kernels by self time, and the wall time against kernel time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(3):
+            ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
+            step(ids, lambda _: None).item()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events)
+    os.makedirs(args.profile, exist_ok=True)
+    with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
+        f.write(f"{name}: 3 steps, wall {wall * 1e3:.1f} ms, kernel time {kernel_us / 1e3:.1f} ms\n")
+        f.write(events.table(sort_by="self_device_time_total" if device.type == "cuda"
+                             else "self_cpu_time_total", row_limit=40, max_name_column_width=70))
 
 
 # ---- shared with offload.py: options, one fresh process per run, the report files ----------
@@ -176,6 +199,8 @@ def main() -> None:
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--phases", action="store_true",
                    help="also time forward, backward and the update apart (a sync between them)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after the timed steps, profile three more and write DIR/<run>.txt")
     args = parse_run_args(p, worker)
     if args is None:
         return

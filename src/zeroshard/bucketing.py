@@ -30,6 +30,12 @@ def complete(pending: Pending) -> None:
     pending.clear()
 
 
+def _mean_part(bucket: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Divide `bucket` by the ranks in place (its part of the mean), unless there is one rank: a
+    division by 1 changes no bit, and on one GPU it is a pass over the model's gradient."""
+    return bucket.div_(ranks) if ranks > 1 else bucket
+
+
 class Bucketed:
     """The bucketed collectives of Comm (see the module docstring)."""
 
@@ -81,19 +87,22 @@ class Bucketed:
         pending: Pending = []
         n = self.world_size
         if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
-            full.div_(n)
+            _mean_part(full, n)
             # In place when `out` aliases its slice of `full`, which stays referenced until done.
             pending.append((self.reduce_scatter(out, full, async_op), None, full))
         else:
             rows = full.view(n, -1)
             for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
-                bucket = rows[:, a:b].to(dtype, copy=True).contiguous().view(-1).div_(n)
+                bucket = _mean_part(rows[:, a:b].to(dtype, copy=True).contiguous().view(-1), n)
                 self._staged(bucket)
-                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-                work = self.reduce_scatter(reduced, bucket, async_op, bucket=i)
                 target = out[a:b]
-                pending.append((work, (lambda t=target, r=reduced: t.add_(r)) if accumulate
-                                else (lambda t=target, r=reduced: t.copy_(r)), bucket))
+                if accumulate or target.dtype != dtype:  # reduced apart, then added or converted
+                    reduced = torch.empty(b - a, dtype=dtype, device=full.device)
+                    then = (lambda t=target, r=reduced: t.add_(r)) if accumulate else \
+                        (lambda t=target, r=reduced: t.copy_(r))
+                else:  # straight into its place: no second buffer, no copy
+                    reduced, then = target, None
+                pending.append((self.reduce_scatter(reduced, bucket, async_op, bucket=i), then, bucket))
         if not async_op:
             complete(pending)
         return pending
@@ -104,7 +113,7 @@ class Bucketed:
         one collective: every rank's part of each buffer goes end to end into one bucket (the same
         division and sum as one buffer at a time, so the same bits)."""
         n = self.world_size
-        bucket = torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1).div_(n)
+        bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
         self._staged(bucket)
         reduced = torch.empty(bucket.numel() // n, dtype=bucket.dtype, device=bucket.device)
 
@@ -128,7 +137,7 @@ class Bucketed:
             bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
             if bucket.dtype != full.dtype:
                 self._staged(bucket)
-            bucket.div_(self.world_size)
+            _mean_part(bucket, self.world_size)
             copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
                 if bucket.dtype != full.dtype else None
             pending.append((self.all_reduce(bucket, async_op, bucket=a // step), copy_back, bucket))

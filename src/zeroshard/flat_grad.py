@@ -2,8 +2,9 @@
 
 A trainable buffer's gradient lives in `grad_full` (full size, in the compute dtype) while it
 accumulates, and in `grad_shard` (this rank's slice, in the accumulation dtype) once reduced:
-- every parameter's gradient is added into `grad_full` as its post-accumulate-grad hook fires, and
-  `param.grad` is dropped, so no second copy of the gradient ever lives;
+- every parameter's gradient is added into `grad_full` as its post-accumulate-grad hook fires (at
+  stages 2-3 a first gradient is copied into an unfilled buffer instead, and what none reached is
+  zeroed before the buffer is read), and `param.grad` is dropped, so no second copy ever lives;
 - stage 0 all-reduces `grad_full` (`grad_shard` is its slice); stages 1-3 reduce-scatter it into
   `grad_shard`; stages 2-3 then free `grad_full`, so between backwards only the shard remains;
 - a buffer is reduced exactly once per backward (stages 2-3) or per step (stages 0-1); a later
@@ -67,6 +68,7 @@ class FlatGrad:
         self._pending: set[int] = set()  # parameters that have not reported in this backward
         self.inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
         self._late: torch.Tensor | None = None  # stages 0-1, ACCUMULATING_MORE: gradients after the reduction
+        self._unwritten: set[int] = set()  # stages 2-3: parameters with no value in `grad_full` yet
 
     def _allocate_grads(self) -> None:
         """A trainable buffer's gradient storage at stages 0-1: the full buffer, lasting, with the
@@ -81,12 +83,14 @@ class FlatGrad:
         """The reduced gradient's dtype (stages 2-3: zero_optimization's accumulation dtype)."""
         return self.precision.accumulate_dtype if self.policy.shard_grads else self.full.dtype
 
-    def _reduced_shard(self) -> torch.Tensor:
+    def _reduced_shard(self, overwritten: bool = False) -> torch.Tensor:
         """`grad_shard`; at stages 2-3 allocated by the first reduction after a step and freed by
-        zero_grad() (FSDP2's set_to_none): the forward, where activations peak, holds no gradient."""
+        zero_grad() (FSDP2's set_to_none): the forward, where activations peak, holds no gradient.
+        `overwritten`: the caller writes every element (a reduction that does not add), so a new
+        shard is left unfilled rather than zeroed first."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype,
-                                          device=self.full.device)
+            new = torch.empty if overwritten else torch.zeros
+            self.grad_shard = new(self.layout.shard_numel, dtype=self.grad_dtype, device=self.full.device)
         return self.grad_shard
 
     def _set_grad_state(self, new: GradState) -> None:
@@ -105,7 +109,7 @@ class FlatGrad:
             raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
                              f"zeroshard reduces dense flat buffers: use sparse=False")
         if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
-            self.grad_full = torch.zeros_like(self.full)
+            self.grad_full = self._new_grad_full()
         self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])
         target = self.grad_full
         if self.grad_state is GradState.ACCUMULATING_MORE and not self.policy.shard_grads:
@@ -117,10 +121,36 @@ class FlatGrad:
             if tuple(grad.placements) != spec.placements:
                 grad = grad.redistribute(placements=spec.placements)
             grad = laid_out(grad.to_local(), spec)
-        target[slot.span].add_(grad.reshape(-1))
+        if id(param) in self._unwritten and target is self.grad_full:
+            target[slot.span].copy_(grad.reshape(-1))
+            self._unwritten.discard(id(param))
+        else:
+            target[slot.span].add_(grad.reshape(-1))
         param.grad = None
         self._pending.discard(id(param))
         return not self._pending
+
+    def _new_grad_full(self) -> torch.Tensor:
+        """Stages 2-3: a new accumulator, left unfilled. Each parameter's first gradient is copied
+        into its slot rather than added to zeros (on a GPU, one pass over the gradient instead of
+        three); what no gradient reached is zeroed before the buffer is read (_filled_grad_full)."""
+        self._unwritten = set(self.slot_of)
+        return torch.empty_like(self.full)
+
+    def _filled_grad_full(self) -> torch.Tensor:
+        """`grad_full` with every element defined: zeros in the padding and where no gradient came
+        (all zeros, newly made, where none came at all)."""
+        full = self.grad_full
+        if full is None:
+            return torch.zeros_like(self.full)
+        if len(self._unwritten) == len(self.slot_of):
+            full.zero_()
+        else:
+            full[self.layout.numel:].zero_()
+            for i in self._unwritten:
+                full[self.slot_of[i].span].zero_()
+        self._unwritten = set()
+        return full
 
     def frozen_since_initialize(self) -> list[str]:
         """Names of this buffer's parameters that reported no gradient because they were frozen
@@ -138,7 +168,7 @@ class FlatGrad:
     def reduce_grads(self, async_op: bool = False) -> None:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
         With async_op the collectives are only issued; finish_reduce() completes them."""
-        full = self.grad_full if self.grad_full is not None else torch.zeros_like(self.full)
+        full = self._filled_grad_full()
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
         with self.comm.about(self.label):
@@ -147,8 +177,8 @@ class FlatGrad:
             else:
                 accumulate = self._accumulating()
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
-                self.inflight += self.comm.reduce_scatter_mean(self._reduced_shard(), full, chunks, dtype,
-                                                                accumulate, async_op)
+                out = self._reduced_shard(overwritten=not accumulate)
+                self.inflight += self.comm.reduce_scatter_mean(out, full, chunks, dtype, accumulate, async_op)
         self._reduce_issued()
 
     def _reduce_issued(self) -> None:
@@ -245,13 +275,13 @@ def reducible_together(flats: list[FlatGrad]) -> bool:
 def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
     """reduce_grads() of several buffers in one reduce-scatter (reducible_together). The last
     holds the work: completing it writes every buffer's shard (finish_backward completes all)."""
-    fulls = [f.grad_full if f.grad_full is not None else torch.zeros_like(f.full) for f in flats]
+    fulls = [f._filled_grad_full() for f in flats]
     accumulate = [f._accumulating() for f in flats]
     for f in flats:
         f._grad_will_change()
     comm = flats[-1].comm
     with comm.about(" + ".join(f.label for f in flats)):
-        shards = [f._reduced_shard() for f in flats]
+        shards = [f._reduced_shard(not add) for f, add in zip(flats, accumulate)]
         flats[-1].inflight += comm.reduce_scatter_together(shards, fulls, accumulate, async_op)
     for f in flats:
         f._reduce_issued()
