@@ -15,7 +15,8 @@ from .checkpoint import CheckpointError, consolidate
 from .checkpoint import info as checkpoint_info
 from .schedules import DeepSpeedSchedule
 from .checks import ModelMismatchError
-from .comm import Comm, gather_objects, mean_over_ranks, rank_and_world_size
+from .comm import Comm
+from .over_ranks import gather_objects, mean_over_ranks, rank_and_world_size
 from .config import Config, ConfigError
 from .construct import init, is_deferred, materialize
 from .devices import ensure_process_group

@@ -6,7 +6,9 @@ Invariants: a buffer of any size is moved in chunks of at most `bucket_size` ele
 shard, so the staging memory is one bucket, not one buffer; a staged copy exists only when the
 layout or the dtype needs it (one chunk in the buffer's own dtype runs in place), or when several
 buffers travel as one collective (`gather_together`, `reduce_scatter_together`: within one bucket
-size); every reduction averages (divides by the ranks) exactly once, before it is summed.
+size); every reduction averages (divides by the ranks) exactly once, before it is summed. With
+one rank the mean is the buffer itself: nothing is staged where the reduction dtype holds its values
+exactly, and the buffer goes into its destination in one pass (a copy, converting, or an add).
 
 `Bucketed` is mixed into comm.Comm, whose counted collectives (all_gather, reduce_scatter,
 all_reduce) these methods call: only comm.py calls torch.distributed.
@@ -34,6 +36,12 @@ def _mean_part(bucket: torch.Tensor, ranks: int) -> torch.Tensor:
     """Divide `bucket` by the ranks in place (its part of the mean), unless there is one rank: a
     division by 1 changes no bit, and on one GPU it is a pass over the model's gradient."""
     return bucket.div_(ranks) if ranks > 1 else bucket
+
+
+def _exact_in(full: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Does reducing `full` in `dtype` keep its values exactly? (Then, with one rank, where the
+    mean over ranks is `full` itself, it needs no converted copy.)"""
+    return dtype == full.dtype or dtype == torch.float32 and full.dtype in (torch.bfloat16, torch.float16)
 
 
 class Bucketed:
@@ -86,6 +94,9 @@ class Bucketed:
         """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
         pending: Pending = []
         n = self.world_size
+        if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
+            self.reduce_scatter(out, full, add=accumulate, wire=dtype)
+            return pending
         if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
             _mean_part(full, n)
             # In place when `out` aliases its slice of `full`, which stays referenced until done.
@@ -113,6 +124,10 @@ class Bucketed:
         one collective: every rank's part of each buffer goes end to end into one bucket (the same
         division and sum as one buffer at a time, so the same bits)."""
         n = self.world_size
+        if n == 1:  # (one dtype throughout: see flat_grad.reducible_together)
+            for out, full, add in zip(outs, fulls, accumulate):
+                self.reduce_scatter(out, full, add=add)
+            return []
         bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
         self._staged(bucket)
         reduced = torch.empty(bucket.numel() // n, dtype=bucket.dtype, device=bucket.device)
@@ -133,6 +148,9 @@ class Bucketed:
         """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
         pending: Pending = []
         step = max(1, bucket_size)
+        wire = dtype
+        if self.world_size == 1 and _exact_in(full, dtype):
+            dtype = full.dtype  # (the buffer is its own mean: no converted copy, nothing copied back)
         for a in range(0, full.numel(), step):
             bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
             if bucket.dtype != full.dtype:
@@ -140,7 +158,8 @@ class Bucketed:
             _mean_part(bucket, self.world_size)
             copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
                 if bucket.dtype != full.dtype else None
-            pending.append((self.all_reduce(bucket, async_op, bucket=a // step), copy_back, bucket))
+            work = self.all_reduce(bucket, async_op, bucket=a // step, wire=wire)
+            pending.append((work, copy_back, bucket))
         if not async_op:
             complete(pending)
         return pending

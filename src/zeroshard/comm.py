@@ -12,9 +12,7 @@ per-step window so that step figures stay comparable with the formulas.
 """
 from __future__ import annotations
 
-import os
 import pickle
-import weakref
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, ContextManager, Optional
@@ -160,9 +158,15 @@ class Comm(Bucketed):
         """Collectives inside are fingerprinted as being about `label`."""
         return temporarily(self, "label", label)
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, bucket: int = 0) -> Work:
+    # With one rank a collective is a local identity: it is counted as one, but the backend is not
+    # called (on a GPU, NCCL would still launch a copy; there is no peer to agree with or wait for).
+    # (`wire`: the reduction dtype the bytes are counted in, where one rank skipped converting to it.)
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, bucket: int = 0,
+                   wire: torch.dtype | None = None) -> Work:
         """Sum `tensor` over ranks, in place."""
-        self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * tensor.element_size())
+        self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * (wire or tensor.dtype).itemsize)
+        if self.world_size == 1:
+            return None
         return self._issue("all_reduce", tensor, bucket, async_op,
                            lambda a: dist.all_reduce(tensor, group=self.group, async_op=a))
 
@@ -170,14 +174,22 @@ class Comm(Bucketed):
                    bucket: int = 0) -> Work:
         """output = concatenation of every rank's `shard` (shard may alias its slice of output)."""
         self._count(Kind.ALL_GATHER, output.numel() * output.element_size())
+        if self.world_size == 1:
+            None if output.data_ptr() == shard.data_ptr() else output.copy_(shard)
+            return None
         return self._issue("all_gather", output, bucket, async_op,
                            lambda a: _all_gather_flat(output, shard, group=self.group, async_op=a))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
-                       bucket: int = 0) -> Work:
+                       bucket: int = 0, add: bool = False, wire: torch.dtype | None = None) -> Work:
         """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
-        With async_op, returns a handle to wait on; `full` must stay alive until then."""
-        self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
+        With async_op, returns a handle to wait on; `full` must stay alive until then. With one
+        rank, `full` is copied into `output` (converted; with `add`, added), else `add` is refused."""
+        self._count(Kind.REDUCE_SCATTER, full.numel() * (wire or full.dtype).itemsize)
+        if self.world_size == 1:
+            output.add_(full) if add else None if output.data_ptr() == full.data_ptr() else output.copy_(full)
+            return None
+        assert not add, "a reduce-scatter over several ranks adds nothing: add its result"
         if self.device.type == "cpu":  # gloo: see _SumOnArrival; the receive buffer is one more `full`
             self._staged(full)
             return self._issue("reduce_scatter", full, bucket, async_op, lambda a: _all_to_all_reduce_scatter(
@@ -187,6 +199,8 @@ class Comm(Bucketed):
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())
+        if self.world_size == 1:
+            return
         src = dist.get_global_rank(self.group, src_rank) if self.group else src_rank
         self._issue("broadcast", tensor, 0, False,
                     lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a))
@@ -240,60 +254,3 @@ class Comm(Bucketed):
         def table(t: dict[Kind, Counter]) -> dict[str, dict[str, int]]:
             return {k.value: {"calls": c.calls, "bytes": c.bytes} for k, c in t.items()}
         return {"last_step": table(self.last_step), "total": table(self.total)}
-
-
-# ---- public helpers for training scripts (the app uses these, not torch.distributed) -------------
-_lent_watch: Callable[[], Optional[Watch]] = lambda: None  # the latest world engine's
-
-
-def lend_watch(comm: Comm) -> None:
-    """An engine over the whole world lends its watch to the helpers below: a helper some ranks
-    call while the others wait in the engine's collectives (a save on rank 0 only, then a logged
-    mean) is then named within seconds, as the engine's own calls are, not after the timeout."""
-    global _lent_watch
-    if comm.watch is not None and comm.tp_size == 1 and comm.world_size == dist.get_world_size():
-        _lent_watch = weakref.ref(comm.watch)
-
-
-def _helper_comm(group: dist.ProcessGroup | None) -> Comm:
-    comm = Comm(group)
-    watch = _lent_watch()
-    if group is None and watch is not None and watch.world_size == comm.world_size:
-        comm.watch = watch
-    return comm
-
-
-def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """This process's rank and the number of ranks in `group` (default: the world). Before any
-    group has started, the world's as torchrun announces it (RANK, WORLD_SIZE), else (0, 1): a
-    script can shard its data before initialize() starts the group."""
-    if group is None and not dist.is_initialized():
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _started(group: dist.ProcessGroup | None, what: str) -> bool:
-    """Whether `what` must communicate: False alone in a world of one with no group yet."""
-    if group is not None or dist.is_initialized():
-        return True
-    if rank_and_world_size()[1] == 1:
-        return False
-    raise RuntimeError(f"{what} before the process group started: call zeroshard.initialize() or "
-                       f"zeroshard.ensure_process_group() first")
-
-
-def mean_over_ranks(value: torch.Tensor | float, group: dist.ProcessGroup | None = None) -> float:
-    """Collective: the mean over ranks of a scalar (a loss to log), every rank gets it."""
-    if not _started(group, "mean_over_ranks()"):
-        return float(torch.as_tensor(value, dtype=torch.float32))
-    comm = _helper_comm(group)
-    total = torch.as_tensor(value, dtype=torch.float32).detach().reshape(()).to(comm.device, copy=True)
-    comm.all_reduce(total)
-    return total.item() / comm.world_size
-
-
-def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
-    """Collective: a small picklable object from every rank, in rank order, on every rank."""
-    if not _started(group, "gather_objects()"):
-        return [obj]
-    return _helper_comm(group).all_gather_objects(obj)

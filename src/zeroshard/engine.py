@@ -19,7 +19,7 @@ from torch import nn
 
 from . import nvme
 from .checks import check_model, check_module_type, verify_same_on_every_rank, verify_same_optimizer
-from .comm import Comm, lend_watch
+from .comm import Comm
 from .config import Config
 from .construct import deferred_non_parameters, materialize_
 from .devices import check_placement, move_buffers
@@ -33,6 +33,7 @@ from .parallel.dtensor import point
 from .parallel.mesh import Axes, attach_tp
 from .reduce import GradientReducer
 from .schedules import scheduler_factory
+from .over_ranks import lend_watch
 from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
 from .precision import LossScaler, Precision, convert_buffers
 from .states import move
@@ -94,8 +95,7 @@ class Engine(EngineState, EngineCompat):
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = Precision.from_config(config)
         offloads = self.precision.offload or self.precision.offload_params
-        # host<->device copies (offload.py)
-        self.copier = Copier(comm.device, config.delayed_param_update) if offloads else None
+        self.copier = Copier(comm.device, config.delayed_param_update) if offloads else None  # host<->device
         self.scaler = LossScaler(config.scaler, report=comm.rank == 0)
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)

@@ -136,3 +136,9 @@ def _semantics(rank: int, world_size: int, names: list[str]) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_training_semantics_match_single_process(world_size):
     spawn(_semantics, world_size, list(CASES))
+
+
+def test_one_rank_adds_every_micro_batch():
+    """With one rank no collective runs: each reduction is a local copy, or an add where a later
+    micro-batch's gradient joins the sum (stages 2-3 reduce every backward)."""
+    spawn(_semantics, 1, ["accumulation", "accumulation_no_overlap"])

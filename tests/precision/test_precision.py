@@ -272,3 +272,27 @@ def _sub_group_step(rank: int, world_size: int) -> None:
 
 def test_sub_group_step():
     spawn(_sub_group_step, 2)
+
+
+def _one_rank_rounds_through_the_wire_dtype(rank: int, world_size: int) -> None:
+    x, y = next(iter(batches(1, GLOBAL_BATCH)))
+    ref = _model()
+    loss_fn(ref(x, use_sometimes=True), y).backward()
+    expected = {name: torch.zeros_like(p) if p.grad is None else p.grad.to(torch.bfloat16).float()
+                for name, p in ref.named_parameters()}  # (TinyGPT has an unused parameter)
+    for stage in range(4):
+        engine = zeroshard.initialize(_model(), _sgd, {"communication_data_type": "bf16",
+                                                       "zero_optimization": {"stage": stage}})
+        engine.backward(loss_fn(engine(x, use_sometimes=True), y))
+        for flat in (f for f in engine.flats if f.trainable):
+            grad = flat.local_grad()
+            for slot in flat.layout.slots:
+                got = grad[slot.span].view(slot.shape)
+                assert torch.equal(got, expected[slot.names[0]]), (stage, slot.names[0])
+        assert engine.comm_stats()["total"]["reduce_scatter" if stage else "all_reduce"]["bytes"] > 0
+
+
+def test_one_rank_rounds_gradients_through_the_communication_dtype():
+    """With one rank no collective runs (the mean is the gradient itself), but a gradient reduced
+    in bf16 is still rounded to bf16, exactly as a real reduction would leave it."""
+    spawn(_one_rank_rounds_through_the_wire_dtype, 1)
