@@ -52,6 +52,7 @@ RESUME_16 = f"{C}::test_16bit_and_offload_checkpoints_resume_at_another_world_si
 BF16 = f"{R}::test_bf16_every_stage"
 SGD_16 = f"{R}::test_16bit_training_with_sgd_against_fp32"
 SCALER = f"{R}::test_loss_scale_schedule"
+ONE_RANK_COUNTS = "tests/accounting/test_traffic.py::test_one_rank_counts_the_collectives_it_does_not_send"
 OFF = "tests/parity/test_offload.py"
 OFF_PARITY = f"{OFF}::test_offload_matches_training_in_place[2]"
 OFF_DELAYED = f"{OFF}::test_delayed_param_update_follows_its_definition[3]"
@@ -112,13 +113,16 @@ MUTATIONS = [
              "if id(param) in self._unwritten and target is self.grad_full:", "if False:", (PARITY2,),
              "stages 2-3: a first gradient is added to the unfilled buffer instead of copied in"),
     Mutation("one-rank-reduce-overwrites", "src/zeroshard/comm.py",
-             "output.add_(full) if add else None", "output.copy_(full) if add else None",
+             "                output.add_(full)\n", "                output.copy_(full)\n",
              (f"{T}::test_one_rank_adds_every_micro_batch",),
              "one rank, stages 2-3: a later micro-batch's gradient replaces the sum instead of adding"),
     Mutation("one-rank-reduce-not-converted", "src/zeroshard/bucketing.py",
              "if n == 1 and _exact_in(full, dtype):", "if n == 1:",
              ("tests/precision/test_precision.py::test_one_rank_rounds_gradients_through_the_communication_dtype",),
              "one rank: a gradient is not rounded through a narrower communication_data_type"),
+    Mutation("one-rank-chunks-counted-once", "src/zeroshard/bucketing.py", "dtype, calls=len(chunks))",
+             "dtype)", (ONE_RANK_COUNTS,),
+             "one rank: comm_stats() counts one reduce-scatter a buffer where ranks would issue one a chunk"),
     Mutation("accumulation-not-averaged", "src/zeroshard/engine.py",
              "factor = self.scaler.scale / self.config.gradient_accumulation_steps",
              "factor = self.scaler.scale", (TRAINING,),

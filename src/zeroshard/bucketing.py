@@ -95,7 +95,7 @@ class Bucketed:
         pending: Pending = []
         n = self.world_size
         if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
-            self.reduce_scatter(out, full, add=accumulate, wire=dtype)
+            self.reduce_alone([(out, full, accumulate)], dtype, calls=len(chunks))
             return pending
         if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
             _mean_part(full, n)
@@ -125,8 +125,7 @@ class Bucketed:
         division and sum as one buffer at a time, so the same bits)."""
         n = self.world_size
         if n == 1:  # (one dtype throughout: see flat_grad.reducible_together)
-            for out, full, add in zip(outs, fulls, accumulate):
-                self.reduce_scatter(out, full, add=add)
+            self.reduce_alone(list(zip(outs, fulls, accumulate)), fulls[0].dtype)
             return []
         bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
         self._staged(bucket)

@@ -135,10 +135,10 @@ class Comm(Bucketed):
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_rank, self.tp_size = 0, 1
 
-    def _count(self, kind: Kind, nbytes: int) -> None:
+    def _count(self, kind: Kind, nbytes: int, calls: int = 1) -> None:
         targets = [self.total, self.window] if self._counting_step else [self.total]
         for table in targets:
-            table[kind].calls += 1
+            table[kind].calls += calls
             table[kind].bytes += nbytes
 
     def _issue(self, kind: str, tensor: torch.Tensor, bucket: int, async_op: bool,
@@ -181,21 +181,30 @@ class Comm(Bucketed):
                            lambda a: _all_gather_flat(output, shard, group=self.group, async_op=a))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
-                       bucket: int = 0, add: bool = False, wire: torch.dtype | None = None) -> Work:
+                       bucket: int = 0) -> Work:
         """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
-        With async_op, returns a handle to wait on; `full` must stay alive until then. With one
-        rank, `full` is copied into `output` (converted; with `add`, added), else `add` is refused."""
-        self._count(Kind.REDUCE_SCATTER, full.numel() * (wire or full.dtype).itemsize)
+        With async_op, returns a handle to wait on; `full` must stay alive until then."""
         if self.world_size == 1:
-            output.add_(full) if add else None if output.data_ptr() == full.data_ptr() else output.copy_(full)
-            return None
-        assert not add, "a reduce-scatter over several ranks adds nothing: add its result"
+            return self.reduce_alone([(output, full, False)], full.dtype)
+        self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
         if self.device.type == "cpu":  # gloo: see _SumOnArrival; the receive buffer is one more `full`
             self._staged(full)
             return self._issue("reduce_scatter", full, bucket, async_op, lambda a: _all_to_all_reduce_scatter(
                 output, full, self.group, self.world_size, a))
         return self._issue("reduce_scatter", full, bucket, async_op,
                            lambda a: _reduce_scatter_flat(output, full, group=self.group, async_op=a))
+
+    def reduce_alone(self, parts: list[tuple[torch.Tensor, torch.Tensor, bool]], wire: torch.dtype,
+                     calls: int = 1) -> None:
+        """One rank, where a reduce-scatter's result is its input: `output` (+)= `full` for each
+        (output, full, add), converted in the same pass; counted as `calls` reduce-scatters of the
+        inputs' bytes in `wire` (the reduction dtype: what the collectives replaced would carry)."""
+        self._count(Kind.REDUCE_SCATTER, sum(full.numel() for _, full, _ in parts) * wire.itemsize, calls)
+        for output, full, add in parts:
+            if add:
+                output.add_(full)
+            elif output.data_ptr() != full.data_ptr():
+                output.copy_(full)
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
         self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size())

@@ -76,6 +76,38 @@ def test_traffic_per_step(world_size, tmp_path):
     spawn(_traffic, world_size, str(tmp_path))
 
 
+def _one_rank(rank: int, world_size: int) -> None:
+    x, y = rank_batch(rank, world_size)
+    for stage in (0, 1, 2, 3):
+        for bucket in (None, 2000):  # 2000: several chunks a buffer
+            zero = {"stage": stage, **({"reduce_bucket_size": bucket} if bucket else {})}
+            torch.manual_seed(0)
+            engine = zeroshard.initialize(TinyGPT(d=32, layers=3), lambda p: torch.optim.Adam(p, lr=1e-3),
+                                          {"zero_optimization": zero})
+            for _ in range(2):
+                with wiretap() as wire:
+                    engine.backward(loss_fn(engine(x), y))
+                    engine.step()
+            assert not by_kind(wire), (stage, wire)  # nothing went to the backend
+            step = engine.comm_stats()["last_step"]
+            trainable = [f for f in engine.flats if f.trainable]
+            if stage == 0:
+                assert step["all_reduce"]["bytes"] == 2 * 4 * sum(f.layout.padded_numel for f in trainable)
+                continue
+            # Counted as the collectives ranks would issue: one a chunk, or one a group reduced together.
+            calls = sum(1 if len(group) > 1 else len(group[0].layout.shard_chunks(group[0].buckets.reduce))
+                        for group in engine.reducer.groups)
+            assert step["reduce_scatter"] == {"calls": calls, "bytes": 4 * sum(f.layout.padded_numel
+                                                                               for f in trainable)}, stage
+            assert calls > len(engine.reducer.groups) or bucket is None, "2000 made no second chunk"
+
+
+def test_one_rank_counts_the_collectives_it_does_not_send():
+    """With one rank the backend is never called, but comm_stats() counts what a world of ranks
+    would send: the paper's figures, and the same calls, at every world size."""
+    spawn(_one_rank, 1)
+
+
 def _post_step_gathers(rank: int, world_size: int) -> None:
     """Stages 1-2: the post-step all-gathers of small buffers go out as one collective (a gloo
     collective's fixed cost dwarfs their bytes); alone, buffer by buffer, once the limit is below
