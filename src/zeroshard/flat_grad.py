@@ -19,6 +19,7 @@ layout, policy, precision, comm, buckets, `full`, `master`, `host`) and calls `_
 from __future__ import annotations
 
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import nn
@@ -26,6 +27,11 @@ from torch import nn
 from .bucketing import Pending, complete
 from .parallel.dtensor import laid_out
 from .states import move
+
+
+# How gradient memory that is written before it is read is made: unfilled (a test poisons it with
+# NaN, so that an element read before it was written, or zeroed, cannot pass unseen).
+UNFILLED: Callable[..., torch.Tensor] = torch.empty
 
 
 class GradState(Enum):
@@ -89,8 +95,8 @@ class FlatGrad:
         `overwritten`: the caller writes every element (a reduction that does not add), so a new
         shard is left unfilled rather than zeroed first."""
         if self.grad_shard is None:
-            new = torch.empty if overwritten else torch.zeros
-            self.grad_shard = new(self.layout.shard_numel, dtype=self.grad_dtype, device=self.full.device)
+            new = UNFILLED if overwritten else torch.zeros
+            self.grad_shard = new((self.layout.shard_numel,), dtype=self.grad_dtype, device=self.full.device)
         return self.grad_shard
 
     def _set_grad_state(self, new: GradState) -> None:
@@ -135,7 +141,7 @@ class FlatGrad:
         into its slot rather than added to zeros (on a GPU, one pass over the gradient instead of
         three); what no gradient reached is zeroed before the buffer is read (_filled_grad_full)."""
         self._unwritten = set(self.slot_of)
-        return torch.empty_like(self.full)
+        return UNFILLED(self.full.shape, dtype=self.full.dtype, device=self.full.device)
 
     def _filled_grad_full(self) -> torch.Tensor:
         """`grad_full` with every element defined: zeros in the padding and where no gradient came

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard import flat_grad
 from helpers.spawn import spawn
 from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
 
@@ -69,6 +70,19 @@ def test_every_stage_matches_single_process(world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sgd_auto_units_buckets_and_persistence(world_size):
     spawn(_parity, world_size, [1, 2])
+
+
+def _poisoned(rank: int, world_size: int, cases: list[int]) -> None:
+    flat_grad.UNFILLED = lambda size, **kw: torch.full(size, float("nan"), **kw)
+    _parity(rank, world_size, cases)
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_unfilled_gradient_memory_is_never_read_before_it_is_written(world_size):
+    """Gradient buffers are made unfilled (flat_grad.UNFILLED): here they start as NaN, so a slot no
+    gradient reached, padding left as it was, or a shard read before its reduction wrote it would
+    make a gradient non-finite. Padding needs an odd world size; case 2 reduces in many chunks."""
+    spawn(_poisoned, world_size, [0, 2])
 
 
 def _mixed_model(seed: int = 0) -> TinyGPT:
