@@ -138,8 +138,8 @@ class FlatGrad:
 
     def _new_grad_full(self) -> torch.Tensor:
         """Stages 2-3: a new accumulator, left unfilled. Each parameter's first gradient is copied
-        into its slot rather than added to zeros (on a GPU, one pass over the gradient instead of
-        three); what no gradient reached is zeroed before the buffer is read (_filled_grad_full)."""
+        into its slot rather than added to zeros (a copy instead of a fill and an add, which reads the
+        zeros again); what no gradient reached is zeroed before the buffer is read (_filled_grad_full)."""
         self._unwritten = set(self.slot_of)
         return UNFILLED(self.full.shape, dtype=self.full.dtype, device=self.full.device)
 
