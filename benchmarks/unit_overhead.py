@@ -4,7 +4,7 @@ One process (world size 1, gloo, one thread): the built-in GPT at a fixed width 
 stage 0 beside stage 3 at zeroshard's defaults, SGD, a batch of one 16-token sequence so compute is
 small. Prints the median forward and backward time of each and stage 3's excess per unit (one unit
 per block). A flat figure across depths means the bookkeeping costs O(1) a unit; a growing one, that
-something walks every unit at every unit (it did: 500 and 581 us a unit at 96 blocks, in two
+something walks every unit at every unit (it did: 575 and 563 us a unit at 96 blocks, in two
 runs, before the forward record was read once a forward). About 30 seconds.
 
     python benchmarks/unit_overhead.py                    # width 32: 8, 32, 96 blocks

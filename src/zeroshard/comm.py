@@ -175,7 +175,8 @@ class Comm(Bucketed):
         """output = concatenation of every rank's `shard` (shard may alias its slice of output)."""
         self._count(Kind.ALL_GATHER, output.numel() * output.element_size())
         if self.world_size == 1:
-            None if output.data_ptr() == shard.data_ptr() else output.copy_(shard)
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
             return None
         return self._issue("all_gather", output, bucket, async_op,
                            lambda a: _all_gather_flat(output, shard, group=self.group, async_op=a))

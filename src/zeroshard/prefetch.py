@@ -82,8 +82,8 @@ class UnitOrder:
         self.current: list[Unit] = []   # this forward, so far
         self._backward_at = 0           # where backward has reached in `current`
         # Read off `previous` once a forward, so each unit's decisions cost O(1), not O(units) (a
-        # 96-block forward took 68-79 ms walking every unit at every unit, 51-53 ms without:
-        # benchmarks/unit_overhead.py). _last_at: a unit's last position; _after[i], _units_after[i]:
+        # 96-block forward took 87-92 ms walking every unit at every unit, 60-71 ms without, two runs
+        # each: benchmarks/unit_overhead.py). _last_at: a unit's last position; _after[i], _units_after[i]:
         # elements and number of the distinct units in previous[i:]; _known_numel: of every unit seen.
         self._last_at: dict[Unit, int] = {}
         self._after: list[int] = [0]
