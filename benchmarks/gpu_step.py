@@ -7,6 +7,7 @@ the timed steps (median over rounds), tokens/s, peak GPU memory allocated, and t
 
     python benchmarks/gpu_step.py                         # 1.1B (hidden 2048, 22 layers), seq 1024, batch 8
     python benchmarks/gpu_step.py --device cpu --tiny     # smoke test of the script itself, on the CPU
+    python benchmarks/gpu_step.py --impls zeroshard_3 --base-src /tmp/old/src   # A/B of two trees
 
 Writes benchmarks/out/gpu_step.{md,json}.
 """
@@ -66,7 +67,7 @@ def make_step(name: str, model, device, args: argparse.Namespace):
             return loss
         return step
     import zeroshard
-    stage = int(name.rsplit("_", 1)[1])
+    stage = int(name.split("@")[0].rsplit("_", 1)[1])
     engine = zeroshard.initialize(model, adamw, {"zero_optimization": {"stage": stage},
                                                  "bf16": {"enabled": True}})
 
@@ -139,10 +140,32 @@ def profile_steps(name: str, step, vocab: int, device, args: argparse.Namespace,
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events)
     os.makedirs(args.profile, exist_ok=True)
-    with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
+    with open(os.path.join(args.profile, f"{name.replace('@', '-')}.txt"), "w") as f:
         f.write(f"{name}: 3 steps, wall {wall * 1e3:.1f} ms, kernel time {kernel_us / 1e3:.1f} ms\n")
+        if device.type == "cuda":
+            f.write(idle_gaps(prof))
         f.write(events.table(sort_by="self_device_time_total" if device.type == "cuda"
                              else "self_cpu_time_total", row_limit=40, max_name_column_width=70))
+
+
+def idle_gaps(prof, top: int = 12) -> str:
+    """Where the GPU waited: the time between kernels (and copies) in the profiled steps, in total
+    and the longest gaps, each named by the kernels on either side."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    gaps, busy_until, last = [], None, ""
+    for start, end, kernel in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, last[:60], kernel[:60]))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, kernel
+    gaps.sort(reverse=True)
+    lines = [f"GPU busy {sum(e - s for s, e, _ in spans) / 1e3:.1f} ms of kernels; idle between the "
+             f"first and last kernel {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; "
+             f"the longest:"]
+    lines += [f"  {g / 1e3:8.3f} ms  after {before!r}  before {after!r}" for g, before, after in gaps[:top]]
+    return "\n".join(lines) + "\n"
 
 
 # ---- shared with offload.py: options, one fresh process per run, the report files ----------
@@ -169,11 +192,15 @@ def parse_run_args(p: argparse.ArgumentParser, worker_fn) -> argparse.Namespace 
     return args
 
 
-def run_worker(script: str, name: str, port: int, extra: list[str] = ()) -> dict | None:
-    """`script --worker name` with this run's options (and `extra`) in a fresh world of one process."""
+def run_worker(script: str, name: str, port: int, extra: list[str] = (),
+               src: str | None = None) -> dict | None:
+    """`script --worker name` with this run's options (and `extra`) in a fresh world of one process;
+    with `src`, importing zeroshard from that source tree."""
     cmd = [sys.executable, script, "--worker", name, *sys.argv[1:], *extra]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    if src:
+        env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -201,24 +228,29 @@ def main() -> None:
                    help="also time forward, backward and the update apart (a sync between them)")
     p.add_argument("--profile", metavar="DIR",
                    help="after the timed steps, profile three more and write DIR/<run>.txt")
+    p.add_argument("--base-src", metavar="DIR",
+                   help="an A/B of two trees: each zeroshard run also runs (as NAME@base, in the same "
+                        "rounds) importing zeroshard from DIR, another checkout's src/")
     args = parse_run_args(p, worker)
     if args is None:
         return
-    results: dict[str, list[dict]] = {n: [] for n in args.impls}
+    names = [m for n in args.impls for m in ([n, f"{n}@base"] if args.base_src and "zeroshard" in n else [n])]
+    results: dict[str, list[dict]] = {n: [] for n in names}
     for round_ in range(args.rounds):
-        for i, name in enumerate(args.impls):
-            r = run_worker(__file__, name, 29600 + 20 * round_ + i)
+        for i, name in enumerate(names):
+            r = run_worker(__file__, name, 29600 + 20 * round_ + i,
+                           src=args.base_src if name.endswith("@base") else None)
             if r is not None:
                 results[name].append(r)
                 print(f"round {round_ + 1}: {name} {r['step_s']:.3f} s", flush=True)
     tokens = args.batch * args.seq
     phase_keys = ["forward_s", "backward_s", "update_s"] if args.phases else []
-    lines = [f"{'run':<13} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"
+    lines = [f"{'run':<18} {'step s':>8} {'tokens/s':>10} {'GPU peak GiB':>13} {'last loss':>10}"
              + "".join(f" {k:>11}" for k in phase_keys)]
     for name, runs in results.items():
         if runs:
             s = statistics.median(r["step_s"] for r in runs)
-            lines.append(f"{name:<13} {s:>8.3f} {tokens / s:>10,.0f} {runs[-1]['peak_gib']:>13.2f} "
+            lines.append(f"{name:<18} {s:>8.3f} {tokens / s:>10,.0f} {runs[-1]['peak_gib']:>13.2f} "
                          f"{runs[-1]['loss']:>10.4f}"
                          + "".join(f" {statistics.median(r[k] for r in runs):>11.4f}" for k in phase_keys))
     write("gpu_step", lines, {"args": vars(args), "results": results})

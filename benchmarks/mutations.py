@@ -54,6 +54,8 @@ BF16 = f"{R}::test_bf16_every_stage"
 SGD_16 = f"{R}::test_16bit_training_with_sgd_against_fp32"
 SCALER = f"{R}::test_loss_scale_schedule"
 ONE_RANK_COUNTS = "tests/accounting/test_traffic.py::test_one_rank_counts_the_collectives_it_does_not_send"
+NF = "tests/faults/test_nonfinite.py"
+NONFINITE = f"{NF}::test_nonfinite_gradient_is_raised_or_skipped_on_every_rank"
 OFF = "tests/parity/test_offload.py"
 OFF_PARITY = f"{OFF}::test_offload_matches_training_in_place[2]"
 OFF_DELAYED = f"{OFF}::test_delayed_param_update_follows_its_definition[3]"
@@ -86,17 +88,17 @@ MUTATIONS = [
              "                updated.copy_(self.master)\n"
              "                self.master.copy_(updated)\n", (BF16,),
              "the fp32 master is re-copied from the rounded bf16 parameters after every step"),
-    Mutation("clip-norm-local", "src/zeroshard/optim.py", "        comm.all_reduce(squares)\n",
+    Mutation("clip-norm-local", "src/zeroshard/optim_step.py", "        comm.all_reduce(squares)\n",
              "        pass\n", (TRAINING,),
              "the clipping norm is this rank's shard's norm, not the global one"),
-    Mutation("clip-not-applied", "src/zeroshard/optim.py",
+    Mutation("clip-not-applied", "src/zeroshard/optim_step.py",
              "        factor *= min(1.0, max_norm / (norm + 1e-6))\n", "        pass\n", (TRAINING,),
              "the clipping coefficient is computed but not applied"),
-    Mutation("sub-group-steps-all", "src/zeroshard/optim.py",
+    Mutation("sub-group-steps-all", "src/zeroshard/optim_step.py",
              "            for f in group:  # fp32 gradient copies for one sub-group",
              "            for f in trainable:  # fp32 gradient copies for one sub-group",
              (f"{R}::test_sub_group_step",), "every sub-group's optimizer step updates every buffer again"),
-    Mutation("fp16-unscale", "src/zeroshard/optim.py", "    factor = 1.0 / scaler.scale\n",
+    Mutation("fp16-unscale", "src/zeroshard/optim_step.py", "    factor = 1.0 / scaler.scale\n",
              "    factor = 1.0\n", (SGD_16,), "fp16 gradients are never unscaled"),
     Mutation("persistent-regather", "src/zeroshard/flat_param.py",
              "        return self.policy.shard_optimizer and self.persistent\n",
@@ -144,7 +146,7 @@ MUTATIONS = [
              "the loss scale never grows after loss_scale_window clean steps"),
     Mutation("hysteresis-ignored", "src/zeroshard/precision.py", "        if self._tolerance > 1:",
              "        if False:", (SCALER,), "every overflow halves the scale, whatever the hysteresis"),
-    Mutation("scheduler-steps-on-skip", "src/zeroshard/optim.py",
+    Mutation("scheduler-steps-on-skip", "src/zeroshard/optim_step.py",
              "    if overflow:\n        return norm\n",
              "    if overflow:\n        after_update()\n        return norm\n",
              (SCALER,), "the lr scheduler steps on skipped fp16 steps"),
@@ -195,7 +197,7 @@ MUTATIONS = [
     Mutation("offload-param-not-copied-up", "src/zeroshard/offload.py",
              "            own.copy_(shard, non_blocking=True)", "            pass", (OFF_PARITY,),
              "an offloaded stage-3 shard is not copied into place before its all-gather"),
-    Mutation("delayed-update-applied-at-once", "src/zeroshard/optim.py",
+    Mutation("delayed-update-applied-at-once", "src/zeroshard/optim_step.py",
              "        delayed.start_update(lambda: _update(trainable, optimizer, factor, sub_group_size, "
              "False),", "        _update(trainable, optimizer, factor, sub_group_size, True)\n"
              "        delayed.start_update(lambda: None,", (OFF_DELAYED,),
@@ -204,6 +206,18 @@ MUTATIONS = [
              '"transfer": flat.host.nbytes if flat.host is not None else 0,', '"transfer": 0,',
              (f"{OFF}::test_offloaded_shards_are_the_only_copy", OFF_DELAYED),
              "memory_stats() leaves out offload's host transfer buffers"),
+    Mutation("device-skip-ignored", "src/zeroshard/optim_step.py",
+             "    optimizer.found_inf = found_inf  #", "    optimizer.found_inf = found_inf * 0  #",
+             (NONFINITE,), "fused AdamW updates on a non-finite step (the device-side skip is never set)"),
+    Mutation("device-clip-not-applied", "src/zeroshard/optim_step.py",
+             "        factor = torch.where(found_inf > 0, 1.0, clip)\n",
+             "        factor = torch.where(found_inf > 0, 1.0, clip * 0 + 1)\n", (TRAINING,),
+             "the device-side clip factor is computed but not applied"),
+    Mutation("device-skip-scales-gradient", "src/zeroshard/optim_step.py",
+             "        factor = torch.where(found_inf > 0, 1.0, clip)\n", "        factor = clip\n",
+             (f"{NF}::test_one_inf_element_or_an_overflowing_norm_is_found",),
+             "a skipped step's gradient is scaled by the non-finite norm's clip factor (the report "
+             "then names the wrong element)"),
     Mutation("recompute-gradient-dropped", "src/zeroshard/reduce.py",
              "        elif reduced_now:\n            self._reduce_again()\n", "",
              (f"{ROB}::test_activation_checkpointing_at_every_stage",),

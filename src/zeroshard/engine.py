@@ -34,7 +34,8 @@ from .parallel.mesh import Axes, attach_tp
 from .reduce import GradientReducer
 from .schedules import scheduler_factory
 from .over_ranks import lend_watch
-from .optim import OptimizerSpec, build_optimizer, resolve_groups, sharded_step
+from .optim import OptimizerSpec, build_optimizer, resolve_groups
+from .optim_step import sharded_step
 from .precision import LossScaler, Precision, convert_buffers
 from .states import move
 from .policy import Buckets, StagePolicy
@@ -278,8 +279,7 @@ class Engine(EngineState, EngineCompat):
         for flat in self.flats:
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
-        delayed = self.copier if self.config.delayed_param_update else None
-        skipped = self.skipped_steps
+        delayed, skipped = self.copier if self.config.delayed_param_update else None, self.skipped_steps
         self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
                                            self.config.gradient_clipping, self.policy.shard_optimizer,
                                            self.global_steps, self.config.zero.sub_group_size, delayed,

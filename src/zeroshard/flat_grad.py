@@ -215,13 +215,15 @@ class FlatGrad:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
         return self._reduced_shard() if self.policy.shard_optimizer else self.grad_full
 
-    def attach_master_grad(self, factor: float) -> None:
+    def attach_master_grad(self, factor: float | torch.Tensor) -> None:
         """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
-        one multiply): an alias of the reduced gradient where possible, else a temporary copy."""
+        one multiply; a tensor `factor` is a device scalar): an alias of the reduced gradient where
+        possible, else a temporary copy."""
         grad = self.local_grad() if self.host is None else self.host.grad  # fetch_grad() filled it
         if grad.dtype != torch.float32 or grad.device != self.master.device:
             grad = grad.to(self.master.device, torch.float32)
-        self.opt_param.grad = grad.mul_(factor) if factor != 1.0 else grad
+        scales = isinstance(factor, torch.Tensor) or factor != 1.0
+        self.opt_param.grad = grad.mul_(factor) if scales else grad
 
     def release_master_grad(self) -> None:
         self.opt_param.grad = None  # a copy, if one was made, is freed here

@@ -6,21 +6,13 @@ unchanged because each element is updated independently of the others.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Union
 
 import torch
 from torch import nn
 
-from .comm import Comm
-from .offload import Copier, prefer_fused, warn_if_slow
+from .offload import prefer_fused, warn_if_slow
 from .config import Config, ConfigError
-from .nonfinite import NonFiniteGuard
-from .precision import LossScaler
-from .flat_param import FlatParam
-from .gather_together import write_back_together
-from .nvme import stream_groups
-from .states import temporarily
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 # Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
@@ -88,7 +80,8 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict],
         raise TypeError(f"optimizer must be a callable, an Optimizer class or None, "
                         f"got {type(spec).__name__}")
     offloaded = config.zero.offload_optimizer
-    if offloaded and (spec is None or isinstance(spec, type)):  # keyword arguments are the config's
+    on_gpu = any(t.is_cuda for g in groups for t in g["params"])
+    if (offloaded or on_gpu) and (spec is None or isinstance(spec, type)):  # the config's kwargs
         kwargs = prefer_fused(cls, kwargs)
     try:
         optimizer = cls(params, **kwargs)
@@ -136,132 +129,3 @@ def _refuse_direct_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                            "fp32 shards only inside engine.step(), which first reduces, unscales and "
                            "clips the gradients (on its own it would update nothing); call "
                            "engine.step() instead")
-
-
-def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
-                 max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int,
-                 delayed: Copier | None = None,
-                 after_update: Callable[[], None] = lambda: None,
-                 guard: NonFiniteGuard | None = None) -> float:
-    """Unscale, clip by the global norm, skip on overflow, update, write back; `after_update` runs
-    once the update is done (not on a skipped step). Returns the global gradient norm, measured at
-    every step as DeepSpeed and torch DDP under Trainer measure it (logged as grad_norm), clipping
-    or not.
-
-    The norm is one scalar all-reduce over the ranks' shards (stage 0 ranks hold identical reduced
-    gradients, so there it is local), and one over tp when the model is split; a non-finite
-    element anywhere makes it non-finite on every rank, so all ranks skip (or raise) together.
-    Clipping matches torch.nn.utils.clip_grad_norm_ on the full model.
-
-    With `delayed` (ZeRO-Offload's delayed parameter update), the parameters first take the update
-    of the previous step, then this step's update starts on a worker thread and overlaps the next
-    forward and backward: the gradient of step t is computed with the weights of step t-1.
-
-    Without a loss scaler, `guard` (nonfinite.py) turns a non-finite norm (or loss) into an error
-    or a skipped step; with one, an overflow skips the step and lowers the scale.
-    """
-    trainable = [f for f in flats if f.trainable]
-    guard = None if scaler.enabled else guard
-    squares = torch.zeros((), dtype=torch.float32, device=comm.device)
-    for f in trainable:  # under tp, a replicated buffer counts once: on tp rank 0
-        if f.tp_sharded or comm.tp_rank == 0:
-            squares += squared_norm(f.local_grad()).to(comm.device)
-    if guard is not None:
-        squares = guard.fold_into_norm(squares, norm_is_sharded)
-    if norm_is_sharded:
-        comm.all_reduce(squares)
-    comm.all_reduce_tp(squares)  # each tp shard's part of the norm
-    norm = squares.sqrt().item() / scaler.scale
-    nonfinite = not math.isfinite(norm)
-    overflow = scaler.enabled and nonfinite
-    if scaler.enabled:
-        scaler.update(overflow, step)
-    # Offload: wait for the gradients on the host, on this thread (never the worker's: the copies
-    # are this thread's). This also outlasts every gather of backward that read a host shard, so
-    # the delayed write-back below may write the shards.
-    for f in trainable:
-        f.fetch_grad()
-    if delayed is not None:
-        delayed.finish_update()
-        if delayed.unwritten:
-            _write_back(trainable)
-            delayed.unwritten = False
-    if overflow:
-        return norm
-    if guard is not None:
-        if nonfinite:
-            guard.handle(trainable, step)  # raises, or counts the skip
-            return norm
-        guard.end_cycle()
-    factor = 1.0 / scaler.scale
-    if max_norm > 0:
-        factor *= min(1.0, max_norm / (norm + 1e-6))
-    if delayed is None:
-        _update(trainable, optimizer, factor, sub_group_size, write_back=True)
-        after_update()
-    else:
-        delayed.start_update(lambda: _update(trainable, optimizer, factor, sub_group_size, False),
-                             then=after_update)
-    return norm
-
-
-_NORM_CHUNK = 1 << 22  # elements: bounds the fp32 temporary, and reads the buffer in cache-sized pieces
-
-
-def squared_norm(grad: torch.Tensor) -> torch.Tensor:
-    """The fp32 sum of squares of `grad`, without an fp32 copy of the whole shard. On a GPU one
-    norm kernel reads 16-bit input straight into fp32 accumulators. On the CPU a 16-bit reduction
-    copies its input first and vector_norm sums 1e8 floats 2% off, so the squares are summed
-    chunk by chunk: a 16 MiB temporary, and ~4x faster than one pass over a large buffer."""
-    if grad.is_cuda:
-        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    total = torch.zeros((), dtype=torch.float32, device=grad.device)
-    for chunk in grad.reshape(-1).split(_NORM_CHUNK):
-        total += chunk.float().pow(2).sum()
-    return total
-
-
-def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor: float,
-            sub_group_size: int, write_back: bool) -> None:
-    """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
-    gradient copies alive at once), writing each back unless the caller does so later."""
-    groups = stream_groups(sub_groups(trainable, sub_group_size), optimizer)  # disk offload: streamed
-    landing: list = []  # the post-step gathers in flight, over every sub-group
-    try:
-        for group in groups:
-            for f in group:  # fp32 gradient copies for one sub-group at a time
-                f.attach_master_grad(factor)
-            with temporarily(optimizer, "_zeroshard_stepping", True):
-                optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
-            for f in group:
-                f.release_master_grad()
-            if write_back:  # issues the post-step all-gathers (stages 1-2): in flight as we go on
-                write_back_together(group, landing)
-    finally:  # even if a step failed (out of memory): no parameter is left a placeholder
-        groups.close()
-        for f in trainable:
-            f.release_master_grad()
-            if write_back:
-                f.finish_write_back()
-
-
-def _write_back(trainable: list[FlatParam]) -> None:
-    try:
-        write_back_together(trainable, [])
-    finally:
-        for f in trainable:
-            f.finish_write_back()
-
-
-def sub_groups(flats: list[FlatParam], size: int) -> list[list[FlatParam]]:
-    """Consecutive buffers whose owned elements add up to at most `size` (a larger buffer alone).
-    The same on every rank (shards are equal), so the write-backs' collectives pair up."""
-    groups: list[list[FlatParam]] = []
-    total = 0
-    for f in flats:
-        if not groups or total + f.master.numel() > size:
-            groups.append([])
-            total = 0
-        groups[-1].append(f)
-        total += f.master.numel()
-    return groups

@@ -114,6 +114,50 @@ def test_offload_matches_torch_on_the_gpu(nccl_group, stage, offload):
           rtol=0.02, atol=0, what=f"stage {stage} offload {offload} bf16 against torch AMP")
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fused_adamw_clips_and_skips_on_the_gpu(nccl_group, stage):
+    """Fused AdamW takes the step's decision on the GPU (optim_step.py: no host sync before the
+    update). Against torch with clip_grad_norm_ and a step left out where the loss is NaN: the
+    skipped step changes nothing, and every other step clips as torch does."""
+    from zeroshard.optim_step import decides_on_device
+    poisoned = 3
+    losses = {}
+    for name in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        model = TinyGPT(d=64)
+        adamw = lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True)  # noqa: E731
+        if name == "torch":
+            model.cuda()
+            opt = adamw([p for p in model.parameters() if p.requires_grad])
+            for p in model.parameters():  # zero grads, as flat buffers give
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+        else:
+            engine = zeroshard.initialize(model, adamw, {"zero_optimization": {"stage": stage},
+                                                         "gradient_clipping": 0.5,
+                                                         "zeroshard": {"on_nonfinite": "skip"}})
+            assert decides_on_device(engine.optimizer, [f for f in engine.flats if f.trainable],
+                                     engine.device)
+        losses[name] = []
+        for step, (x, y) in enumerate(batches(STEPS, BATCH)):
+            forward = model if name == "torch" else engine
+            loss = loss_fn(forward(x.cuda(), use_sometimes=step % 2 == 0), y.cuda())
+            losses[name].append(loss.item())
+            loss = loss * float("nan") if step == poisoned else loss
+            if name == "torch":
+                loss.backward()
+                if step != poisoned:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                    opt.step()
+                opt.zero_grad(set_to_none=False)
+            else:
+                engine.backward(loss)
+                engine.step()
+        if name == "zeroshard":
+            assert engine.skipped_steps == 1
+    close(losses["zeroshard"], losses["torch"], rtol=1e-4, atol=1e-5,
+          what=f"stage {stage} fused AdamW, clipped, one step skipped, on cuda")
+
+
 def test_a_model_built_under_init_on_the_cpu_trains_on_the_gpu(nccl_group):
     close(_zeroshard_losses(3, "fp32", build_under_init=True), _torch_losses(amp=False),
           rtol=1e-4, atol=1e-5, what="zeroshard.init() model on cuda")
