@@ -235,8 +235,9 @@ def warn_if_slow(optimizer: torch.optim.Optimizer) -> None:
 
 def prefer_fused(cls: type, kwargs: dict) -> dict:
     """A config-built optimizer over host shards or on a GPU gets torch's fused kernel where it has
-    one (as DeepSpeed's "Adam" is its FusedAdam), unless the config chose an implementation itself."""
-    if isinstance(cls, type) and issubclass(cls, _FUSED_ON_CPU) and not {"fused", "foreach"} & set(kwargs):
+    one (as DeepSpeed's "Adam" is its FusedAdam), unless the config chose an implementation itself.
+    torch's own classes only: a subclass's __init__ may take no `fused`."""
+    if cls in _FUSED_ON_CPU and not {"fused", "foreach"} & set(kwargs):
         return {**kwargs, "fused": True}
     return kwargs
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Union
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from .offload import prefer_fused, warn_if_slow
 from .config import Config, ConfigError
@@ -119,6 +120,13 @@ def _refuse_unsupported_options(optimizer: torch.optim.Optimizer) -> None:
         if group.get("capturable") and any(t.device.type == "cpu" for t in group["params"]):
             raise ConfigError("the optimizer has capturable=True, which needs CUDA tensors, but its shards "
                               "are on the CPU (a CPU group or offload_optimizer); remove the option")
+
+
+def has_user_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step() would run hooks besides zeroshard's guard: the optimizer's own or global ones."""
+    own = [h for h in optimizer._optimizer_step_pre_hooks.values() if h is not _refuse_direct_step]
+    return bool(own or optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_pre_hooks
+                or torch_optimizer._global_optimizer_post_hooks)
 
 
 def _refuse_direct_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -27,6 +27,7 @@ from .gather_together import write_back_together
 from .nonfinite import NonFiniteGuard
 from .nvme import stream_groups
 from .offload import Copier
+from .optim import has_user_step_hooks
 from .precision import LossScaler
 from .states import temporarily
 
@@ -125,10 +126,14 @@ def _step_deciding_on_device(trainable: list[FlatParam], optimizer: torch.optim.
 
 def decides_on_device(optimizer: torch.optim.Optimizer, trainable: list[FlatParam],
                       device: torch.device) -> bool:
-    """Whether the optimizer can skip a step on the device (see the design notes): torch's fused
-    Adam family, over shards on the device the norm is on (not offloaded to the host)."""
-    return (isinstance(optimizer, torch.optim.Adam) and bool(optimizer.defaults.get("fused"))
+    """Whether the optimizer can skip a step on the device (see the design notes): torch's own
+    fused Adam or AdamW (a subclass may step otherwise and ignore `found_inf`), fused in every
+    group (a group that is not refuses `found_inf`), with no step hooks but zeroshard's (the host
+    path calls none on a skipped step), over shards on the norm's device (not offloaded)."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+            and all(group.get("fused") for group in optimizer.param_groups)
             and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and not has_user_step_hooks(optimizer)
             and all(f.opt_param.device == device for f in trainable))
 
 
@@ -138,9 +143,9 @@ def _read_later(value: torch.Tensor) -> Callable[[], float]:
     if value.device.type != "cuda":
         return value.item
     host = torch.empty((), dtype=value.dtype, pin_memory=True)
-    host.copy_(value, non_blocking=True)
+    host.copy_(value, non_blocking=True)  # on value's device's stream, which need not be the current device
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(value.device))
 
     def read() -> float:
         ready.synchronize()

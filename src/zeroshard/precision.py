@@ -107,8 +107,13 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "tolerance": self._tolerance, "clean_steps": self._clean_steps,
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "dynamic": self.dynamic}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self._tolerance = float(state["scale"]), int(state["tolerance"])
-        self._clean_steps, self.skipped_steps = int(state["clean_steps"]), int(state["skipped_steps"])
+        """The saved scale and its schedule go to a dynamic scaler from a dynamic one only (older
+        checkpoints say nothing: taken). A disabled scaler keeps 1 and a static one its configured
+        scale: an fp16 checkpoint resumed in bf16 must not divide every gradient by the old scale."""
+        self.skipped_steps = int(state["skipped_steps"])
+        if self.dynamic and state.get("dynamic", True):
+            self.scale, self._tolerance = float(state["scale"]), int(state["tolerance"])
+            self._clean_steps = int(state["clean_steps"])

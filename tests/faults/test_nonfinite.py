@@ -111,3 +111,35 @@ def _one_bad_element(rank: int, world_size: int, fused: bool) -> None:
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_inf_element_or_an_overflowing_norm_is_found(fused: bool) -> None:
     spawn(_one_bad_element, 2, fused)
+
+
+class _OwnStepAdamW(torch.optim.AdamW):
+    """A subclass whose step may ignore found_inf: the device cannot be trusted to skip for it."""
+
+
+@pytest.mark.parametrize("how", ["fused", "subclass", "a group not fused", "a post-hook", "foreach"])
+def test_the_step_is_decided_on_the_device_only_where_the_optimizer_honours_it(one_process_group, how):
+    """Only torch's own fused Adam/AdamW, fused in every group and with no user step hooks, skips on
+    the device; anything else decides on the host, where a skipped step calls no step() at all."""
+    torch.manual_seed(0)
+    model = TinyGPT(d=16, layers=2)
+    cls = _OwnStepAdamW if how == "subclass" else torch.optim.AdamW
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trained if n.startswith("blocks.")],
+               "fused": how != "a group not fused"},
+              {"params": [p for n, p in trained if not n.startswith("blocks.")]}]
+    engine = zeroshard.initialize(model, lambda p: cls(p, lr=1e-2, fused=how != "foreach"),
+                                  {"zeroshard": {"on_nonfinite": "skip"}, "gradient_clipping": 1.0},
+                                  param_groups=groups)
+    posted = []
+    if how == "a post-hook":
+        engine.optimizer.register_step_post_hook(lambda *_: posted.append(1))
+    trainable = [f for f in engine.flats if f.trainable]
+    assert decides_on_device(engine.optimizer, trainable, engine.comm.device) == (how == "fused")
+    x, y = rank_batch(0, 1)
+    before = engine.full_state_dict()
+    engine.backward(loss_fn(engine(x), y) * float("nan"))
+    engine.step()  # skipped on either path; a group that is not fused never sees found_inf
+    assert engine.skipped_steps == 1 and not posted
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
