@@ -255,3 +255,17 @@ def test_the_engine_config_keeps_the_accumulation_the_batch_sizes_imply():
                      batch_size=2)
     raw = args.engine_config()
     assert raw["gradient_accumulation_steps"] == 4 and raw["train_micro_batch_size_per_gpu"] == 2
+
+
+@pytest.mark.parametrize("device,offload,fused", [("cpu", None, (False, False)),
+                                                  ("cpu", "cpu", (True, False)),
+                                                  ("cuda", None, (True, True))])
+def test_the_default_optimizer_is_fused_on_a_gpu_on_both_sides(device, offload, fused):
+    """On a GPU the main job's AdamW is fused for zeroshard and the DDP baseline alike (a fair
+    compare, and zeroshard decides its step there); on the CPU only over offloaded shards."""
+    import zeroshard
+    from zeroshard.app.train import TrainArgs, optimizer_of
+    for ddp, expected in zip((False, True), fused):
+        args = TrainArgs(device=device, ddp=ddp, offload_optimizer=offload)
+        optimizer = optimizer_of(zeroshard.Config.load(args.engine_config()), args)([torch.zeros(2)])
+        assert bool(optimizer.defaults["fused"]) == expected, (device, offload, ddp)

@@ -157,8 +157,9 @@ def optimizer_of(config: "zeroshard.Config", args: TrainArgs) -> Callable | None
             return None  # initialize builds it from the section (fused over host shards, as DeepSpeed)
         cls, options = config.optimizer.build_class(), dict(config.optimizer.params)
         return lambda p: cls(p, **options)
-    # Over host shards (offload), torch's fused CPU kernel is several times faster than foreach.
-    fused = not args.ddp and config.zero.offload_optimizer
+    # Over host shards (offload), torch's fused CPU kernel is several times faster than foreach. On a
+    # GPU both sides get the fused kernel, which also lets zeroshard decide the step there.
+    fused = args.device == "cuda" or (not args.ddp and config.zero.offload_optimizer)
     lr = 3e-3 if args.lr is None else args.lr
     return lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1, fused=fused or None)
 
