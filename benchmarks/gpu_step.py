@@ -161,9 +161,9 @@ def idle_gaps(prof, top: int = 12) -> str:
         if busy_until is None or end > busy_until:
             busy_until, last = end, kernel
     gaps.sort(reverse=True)
-    lines = [f"GPU busy {sum(e - s for s, e, _ in spans) / 1e3:.1f} ms of kernels; idle between the "
-             f"first and last kernel {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} gaps; "
-             f"the longest:"]
+    lines = [f"GPU events {sum(e - s for s, e, _ in spans) / 1e3:.1f} ms summed (concurrent ones overlap); "
+             f"idle between the first and last {sum(g for g, _, _ in gaps) / 1e3:.1f} ms in {len(gaps)} "
+             f"gaps; the longest:"]
     lines += [f"  {g / 1e3:8.3f} ms  after {before!r}  before {after!r}" for g, before, after in gaps[:top]]
     return "\n".join(lines) + "\n"
 

@@ -31,6 +31,7 @@ from .optim import has_user_step_hooks
 from .precision import LossScaler
 from .states import temporarily
 
+
 def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
                  max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int,
                  delayed: Copier | None = None,
@@ -56,7 +57,8 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     trainable = [f for f in flats if f.trainable]
     guard = None if scaler.enabled else guard
     squares = global_squared_norm(trainable, comm, norm_is_sharded, guard)
-    if delayed is None and not scaler.enabled and decides_on_device(optimizer, trainable, squares.device):
+    # (A guard means no loss scaler: bf16/fp32. See the design notes for the rest.)
+    if guard is not None and delayed is None and decides_on_device(optimizer, trainable, squares.device):
         return _step_deciding_on_device(trainable, optimizer, squares, max_norm, step, sub_group_size,
                                         after_update, guard)
     norm = squares.sqrt().item() / scaler.scale
@@ -95,7 +97,7 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
 
 def _step_deciding_on_device(trainable: list[FlatParam], optimizer: torch.optim.Optimizer,
                              squares: torch.Tensor, max_norm: float, step: int, sub_group_size: int,
-                             after_update: Callable[[], None], guard: NonFiniteGuard | None) -> float:
+                             after_update: Callable[[], None], guard: NonFiniteGuard) -> float:
     """sharded_step without a host sync before the update (bf16/fp32, fused Adam): the optimizer
     skips on the device where the norm is not finite, and the host looks afterwards."""
     norm_t = squares.sqrt()
@@ -114,12 +116,9 @@ def _step_deciding_on_device(trainable: list[FlatParam], optimizer: torch.optim.
         del optimizer.found_inf
     norm = norm_later()
     if not math.isfinite(norm):
-        if guard is None:
-            raise AssertionError("internal error in zeroshard: a non-finite norm without a guard")
         guard.handle(trainable, step)  # raises, or counts the skip; the device skipped the update
         return norm
-    if guard is not None:
-        guard.end_cycle()
+    guard.end_cycle()
     after_update()
     return norm
 
