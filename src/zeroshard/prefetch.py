@@ -84,10 +84,14 @@ class UnitOrder:
         # Read off `previous` once a forward, so each unit's decisions cost O(1), not O(units) (a
         # 96-block forward took 87-92 ms walking every unit at every unit, 60-71 ms without, two runs
         # each: benchmarks/unit_overhead.py). _last_at: a unit's last position; _after[i], _units_after[i]:
-        # elements and number of the distinct units in previous[i:]; _known_numel: of every unit seen.
+        # elements and number of the distinct units in previous[i:]; _next_at[i]: the next position of
+        # the unit at i (None after its last); _ran_before[i]: elements run in previous[:i], each
+        # time a unit runs; _known_numel: of every unit seen.
         self._last_at: dict[Unit, int] = {}
         self._after: list[int] = [0]
         self._units_after: list[int] = [0]
+        self._next_at: list[int | None] = []
+        self._ran_before: list[int] = [0]
         self._known: set[Unit] = set()
         self._known_numel = 0
 
@@ -110,12 +114,14 @@ class UnitOrder:
         self.on_gather()
 
     def keeps_for_backward(self, unit: Unit) -> bool:
-        """Should `unit`, whose forward just ended, stay gathered until backward reaches it?
+        """Should `unit`, whose forward just ended, stay gathered until its next use: later in this
+        forward where it runs again (a shared block), else when backward reaches it?
 
         Its reuse distance, as DeepSpeed's parameter cache counts it, is the elements gathered
-        between this use and the next along the previous forward's record: the later units' forward,
-        then their backward. It stays when that is at most stage3_max_reuse_distance and everything
-        then gathered at once fits stage3_max_live_parameters. With prefetch (overlap_comm), the last
+        between this use and the next along the previous forward's record: the units run in between
+        where it runs again in this forward, else the later units' forward, then their backward. It
+        stays when that is at most stage3_max_reuse_distance (above 0) and everything then gathered
+        at once fits stage3_max_live_parameters. With prefetch (overlap_comm), the last
         two units stay whatever the distance (`keep_tail`): backward needs the last first and prefetches
         the one before it at once, so freeing them would gather them straight back. That saves two
         gathers where a collective has a fixed cost (gloo), but the two are held through the loss
@@ -126,27 +132,42 @@ class UnitOrder:
         i = len(self.current) - 1
         if i >= len(self.previous) or self.previous[i] is not unit:
             return False
-        if self._last_at[unit] > i:
-            return False  # it runs again in this forward: that later use decides
+        later_use = self._next_at[i]
+        if later_use is not None:  # it runs again in this forward: kept until then if that use is
+            between = self._ran_before[later_use] - self._ran_before[i + 1]  # near (the later use
+            return self.max_reuse_numel > 0 and between <= self.max_reuse_numel and \
+                self._fits(unit, i, between)  # decides about backward)
         ahead = self._after[i + 1]  # the later units' elements, each unit once
         if ahead == 0 and (self.keep_tail or self.max_reuse_numel == 0):
             return self.keep_tail  # (else the last unit is 0 from its backward: within the distance)
         prefetched_first = self._units_after[i + 1] == 1 and self.keep_tail
         if not prefetched_first and 2 * ahead > self.max_reuse_numel:
             return False
+        return self._fits(unit, i, ahead)
+
+    def _fits(self, unit: Unit, i: int, ahead: int) -> bool:
+        """Would keeping `unit` (at position i) while `ahead` more elements are gathered stay within
+        stage3_max_live_parameters?"""
         if self._known_numel <= self.max_live_numel:
             return True  # everything gathered at once would fit
         held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.gathered)
         return held + unit.numel + ahead <= self.max_live_numel
 
     def _read_previous(self) -> None:
-        """_last_at and _after for the forward just recorded (see __init__)."""
+        """_last_at, _after, _next_at and _ran_before for the forward just recorded (see __init__)."""
+        n = len(self.previous)
         self._last_at = {u: i for i, u in enumerate(self.previous)}
-        self._after, self._units_after = [0] * (len(self.previous) + 1), [0] * (len(self.previous) + 1)
-        for i in range(len(self.previous) - 1, -1, -1):
-            last = self._last_at[self.previous[i]] == i  # a unit counts once: at its last position
-            self._after[i] = self._after[i + 1] + (self.previous[i].numel if last else 0)
+        self._after, self._units_after, self._next_at = [0] * (n + 1), [0] * (n + 1), [None] * n
+        seen_at: dict[Unit, int] = {}
+        for i in range(n - 1, -1, -1):
+            unit = self.previous[i]
+            last = self._last_at[unit] == i  # a unit counts once: at its last position
+            self._after[i] = self._after[i + 1] + (unit.numel if last else 0)
             self._units_after[i] = self._units_after[i + 1] + last
+            self._next_at[i], seen_at[unit] = seen_at.get(unit), i
+        self._ran_before = [0] * (n + 1)
+        for i, unit in enumerate(self.previous):
+            self._ran_before[i + 1] = self._ran_before[i] + unit.numel
 
     def before_backward(self, unit: Unit) -> None:
         """Backward reached `unit` (a hook on its outputs: alike on every rank). First the units

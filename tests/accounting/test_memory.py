@@ -172,8 +172,12 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
     assert gathers["CUDA's free tail"] == gathers["next unit"] + 2, gathers
     # With prefetch, gathers issued together go out as one collective: the root's with the first
     # block's, and the blocks a bucket prefetches at once ("3 units").
-    single = ("next unit", "under a unit", "reuse", "reuse, live cap")
+    single = ("next unit", "under a unit")
     assert all(gathers[n] == gathers["next unit"] - (kept[n] - kept["next unit"]) for n in single), gathers
+    # With a reuse distance, `twice` (a unit called twice in a row: nothing runs in between) also
+    # stays gathered from its first call to its second: one gather fewer.
+    assert all(gathers[n] == gathers["next unit"] - (kept[n] - kept["next unit"]) - 1
+               for n in ("reuse", "reuse, live cap")), gathers
     assert gathers["3 units"] < gathers["next unit"] < gathers["none"] - kept["next unit"], gathers
     # Under the cap, backward prefetches two blocks at once where the one it passed is freed first.
     assert gathers["3 units"] <= gathers["3 units, live cap"] < gathers["next unit"], gathers

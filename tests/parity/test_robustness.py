@@ -392,8 +392,15 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
             if stage == 3 and flavour != "zeroshard":  # the recompute reuses the unit gathered for backward
                 everything = 4 * sum(f.layout.padded_numel for f in engine.flats)
                 root = 4 * sum(f.layout.padded_numel for f in engine.units[0].flats)
-                # At every step: the first has no record of an earlier forward to decide by.
-                assert gathered == [2 * everything - root] * 3, (what, gathered)
+                # The first step has no record of an earlier forward to decide by. Non-reentrant: the
+                # record holds the recomputes too (each unit runs again in backward, within gloo's
+                # reuse distance), so from the second step on each unit stays gathered from its
+                # forward to its recompute: gathered once a step, as without checkpointing.
+                # Reentrant: the checkpointed forward runs under no_grad, which frees each unit
+                # right after it (nothing tells that a backward will follow), so backward gathers
+                # every unit again.
+                once = everything if flavour == "non-reentrant" else 2 * everything - root
+                assert gathered == [2 * everything - root, once, once], (what, gathered)
             elif stage == 3:  # each recompute runs a unit's forward hooks: it must gather nothing more
                 plain = {k: v for k, v in config.items() if k != "activation_checkpointing"}
                 totals = [e.comm_stats()["total"]["all_gather"]["bytes"]
