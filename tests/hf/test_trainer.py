@@ -118,6 +118,16 @@ def _two_ranks(rank: int, world_size: int, out: str) -> None:
                     ids = trainer.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2 + 3 * rank,
                                                  do_sample=False, pad_token_id=0)
                     results["generated"] = ids.shape[1]
+    # A config "optimizer" section whose params are "auto" (TrainingArguments' weight decay), beside
+    # Trainer's no-decay group (biases and norms): trains as Trainer's own AdamW over those groups.
+    section = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto",
+                                           "eps": "auto", "torch_adam": True}}
+    trainer = ZeroTrainer(model=_model("bert"), args=_args(f"{out}/section"),
+                          train_dataset=_data("bert", 36, 1), eval_dataset=_data("bert", 12, 2),
+                          zero_config={"optimizer": section, "zero_optimization": {"stage": 2}})
+    trainer.train()
+    results["section"] = {**_logged(trainer), "weights": trainer.engine.full_state_dict(),
+                          "decay": [g["weight_decay"] for g in trainer.engine.optimizer.param_groups]}
     # The seed replication's config as written: stage 3, offload, no batch keys. And an "optimizer"
     # section, which wins over TrainingArguments.optim (its "auto" lr takes learning_rate).
     train = _data("bert", 36, seed=1)
@@ -176,6 +186,17 @@ def test_matches_trainer_ddp(runs):
             assert zero["learning_rate"] == ddp["learning_rate"], what  # warmup, then linear decay
             for name, value in ddp["weights"].items():
                 close(zero["weights"][name], value, atol=PARAM_ATOL, what=f"{what} {name}")
+
+
+def test_a_config_optimizer_section_keeps_trainers_no_decay_group(runs):
+    """The section's "auto" weight decay applies to Trainer's decay group only: biases and norms
+    (whose decay would move them by lr x 0.1 each step, far past PARAM_ATOL) are left undecayed."""
+    _, results = runs
+    zero, ddp = results["section"], results["bert", "ddp"]
+    assert zero["decay"] == [0.1, 0.0]
+    close(zero["loss"], ddp["loss"], rtol=LOSS_RTOL, what="section losses")
+    for name, value in ddp["weights"].items():
+        close(zero["weights"][name], value, atol=PARAM_ATOL, what=f"section {name}")
 
 
 def test_save_model_is_an_ordinary_checkpoint(runs):
