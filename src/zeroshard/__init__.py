@@ -13,18 +13,19 @@ from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
 from .checkpoint import info as checkpoint_info
-from .schedules import DeepSpeedSchedule
-from .checks import ModelMismatchError
-from .comm import Comm
-from .over_ranks import gather_objects, mean_over_ranks, rank_and_world_size
+from .comm.collectives import Comm
+from .comm.devices import ensure_process_group
+from .comm.over_ranks import gather_objects, mean_over_ranks, rank_and_world_size
+from .comm.watch import DivergenceError
 from .config import Config, ConfigError
 from .construct import init, is_deferred, materialize
-from .devices import ensure_process_group
-from .diverge import DivergenceError
-from .nonfinite import NonFiniteError
-from .engine import Engine
-from .memory import optimizer_state_bytes, tensor_bytes
-from .optim import OptimizerSpec
+from .core.memory import optimizer_state_bytes, tensor_bytes
+from .core.nonfinite import NonFiniteError
+from .core.optim import OptimizerSpec
+from .core.schedules import DeepSpeedSchedule
+from .engine.checks import ModelMismatchError
+from .engine.engine import Engine
+from .integrations.hf import patches as _hf_patches  # noqa: F401  (registers its model patches)
 from .paper import paper_model_state_bytes
 from .parallel import split as _split_mesh
 from .parallel import tensor_parallel

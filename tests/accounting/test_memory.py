@@ -85,7 +85,7 @@ def _constant_buffers(rank: int, world_size: int) -> None:
     """CB: gathered units, full-size gradients and staging buckets do not grow with the model.
     (Stage 3 at gloo's defaults, their window narrowed below these models: 2^20 elements would
     hold them whole.)"""
-    zeroshard.gather_together.TOGETHER_NUMEL = 20_000  # the window of gloo's defaults (prefetch, reuse)
+    zeroshard.core.gather_together.TOGETHER_NUMEL = 20_000  # the window of gloo's defaults (prefetch, reuse)
     x, y = rank_batch(rank, world_size)
     for stage in (2, 3):
         seen = {}
@@ -207,8 +207,8 @@ def _receive_buffer_counted(rank: int, world_size: int) -> None:
     flight, that buffer is a temporary like the input it keeps alive."""
     from types import SimpleNamespace
 
-    from zeroshard.bucketing import complete
-    from zeroshard.memory import temporary_bytes
+    from zeroshard.comm.buckets import complete
+    from zeroshard.core.memory import temporary_bytes
     full, out = torch.full((8,), float(rank + 1)), torch.empty(4)
     pending = zeroshard.Comm().reduce_scatter_mean(out, full, [(0, 4)], torch.float32, accumulate=False,
                                                    async_op=True)
@@ -226,7 +226,7 @@ def test_a_reduce_scatter_in_flight_counts_its_receive_buffer():
 def _staging_freed(rank: int, world_size: int) -> None:
     """Buffers gathered together (comm.gather_together) free the shared bucket once copied out,
     whoever still holds it: a backend's work object may, a moment after wait() returns."""
-    from zeroshard.bucketing import complete
+    from zeroshard.comm.buckets import complete
     fulls = [torch.empty(3 * world_size), torch.empty(2 * world_size)]
     pending = zeroshard.Comm().gather_together(fulls, [torch.full((3,), rank + 0.5), torch.full((2,), -rank)],
                                                async_op=True)

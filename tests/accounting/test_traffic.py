@@ -112,7 +112,7 @@ def _post_step_gathers(rank: int, world_size: int) -> None:
     """Stages 1-2: the post-step all-gathers of small buffers go out as one collective (a gloo
     collective's fixed cost dwarfs their bytes); alone, buffer by buffer, once the limit is below
     them. Same bytes, same losses to the bit."""
-    from zeroshard import gather_together
+    from zeroshard.core import gather_together
     x, y = rank_batch(rank, world_size)
     for stage in (1, 2):
         results = {}
@@ -146,7 +146,7 @@ def test_runs_keep_order_and_stay_within_the_limit():
     allgather bucket) elements, a larger buffer alone."""
     from types import SimpleNamespace
 
-    from zeroshard.gather_together import TOGETHER_NUMEL, runs
+    from zeroshard.core.gather_together import TOGETHER_NUMEL, runs
     group, other = object(), object()
 
     def flat(numel, dtype=torch.float32, comm=group, bucket=10**9):
@@ -163,7 +163,8 @@ def _two_buckets_at_most(rank: int, world_size: int) -> None:
     """Many small buffers: the post-step gathers go out in runs, and the oldest run lands (its bucket
     freed) before a new one goes out, so at most two buckets exist at once over the whole step, with
     one sub-group or many, not a second copy of the model."""
-    from zeroshard import bucketing, gather_together
+    from zeroshard.comm import buckets as bucketing
+    from zeroshard.core import gather_together
     x, y = rank_batch(rank, world_size)
     issue = bucketing.Bucketed.gather_together
     for sub_groups in ("one", "many"):

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import zeroshard
-from zeroshard import devices
+from zeroshard.comm import devices
 from zeroshard.app import cli, options
-from zeroshard.checks import check_model
+from zeroshard.engine.checks import check_model
 
 
 class Elsewhere(torch.Tensor):

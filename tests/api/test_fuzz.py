@@ -36,8 +36,8 @@ from torch import nn
 
 import zeroshard
 from zeroshard import Config, ConfigError
-from zeroshard.checks import _signature
-from zeroshard.precision import LossScaler
+from zeroshard.engine.checks import _signature
+from zeroshard.core.precision import LossScaler
 
 pytestmark = pytest.mark.usefixtures("one_process_group")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.engine import TrainingState
+from zeroshard.engine.engine import TrainingState
 from helpers.models import TinyGPT, assert_weights_match, batches, loss_fn, reference_run
 from helpers.spawn import spawn
 

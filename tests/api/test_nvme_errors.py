@@ -15,7 +15,7 @@ import torch
 import zeroshard
 from helpers import ROOT
 from helpers.models import TinyGPT
-from zeroshard.nvme import set_free_space_probe
+from zeroshard.offload.nvme import set_free_space_probe
 
 
 def _config(path: str, **extra) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from zeroshard.config.sections import SchedulerConfig
-from zeroshard.schedules import DeepSpeedSchedule
+from zeroshard.core.schedules import DeepSpeedSchedule
 
 LOG2_3 = math.log(2) / math.log(3)
 

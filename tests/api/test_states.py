@@ -9,10 +9,10 @@ import torch
 
 import zeroshard
 from helpers.models import TinyGPT, loss_fn, rank_batch
-from zeroshard.engine import TrainingState
-from zeroshard.flat_grad import GradState
-from zeroshard.reduce import CyclePhase
-from zeroshard.states import StateError, move
+from zeroshard.engine.engine import TrainingState
+from zeroshard.core.flat_grad import GradState
+from zeroshard.core.reduce import CyclePhase
+from zeroshard.common.states import StateError, move
 
 pytestmark = pytest.mark.usefixtures("one_process_group")
 

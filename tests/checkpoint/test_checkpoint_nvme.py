@@ -78,8 +78,8 @@ def test_resume_at_another_world_size_with_disk_offload_on_one_side(tmp_path):
 def _streamed(rank: int, world_size: int, directory: str, disk: str) -> None:
     """With states on disk, a load reads one flat buffer's pieces at a time and writes the
     optimizer state straight into its files: memory never holds the rank's whole state."""
-    from zeroshard import checkpoint_load
-    from zeroshard.memory import on_disk
+    from zeroshard.checkpoint import load as checkpoint_load
+    from zeroshard.core.memory import on_disk
     engine = _engine(3, 0, disk)
     _train(engine, rank, world_size, range(FIRST))
     engine.save_checkpoint(os.path.join(directory, "ckpt"))

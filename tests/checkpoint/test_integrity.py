@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 import zeroshard
 from helpers.models import TinyGPT, loss_fn, rank_batch
 from helpers.spawn import spawn
-from zeroshard import checkpoint, integrity
+from zeroshard.checkpoint import integrity
+from zeroshard.checkpoint import save as checkpoint
 
 
 def _adamw(p):

@@ -119,7 +119,7 @@ def test_fused_adamw_clips_and_skips_on_the_gpu(nccl_group, stage):
     """Fused AdamW takes the step's decision on the GPU (optim_step.py: no host sync before the
     update). Against torch with clip_grad_norm_ and a step left out where the loss is NaN: the
     skipped step changes nothing, and every other step clips as torch does."""
-    from zeroshard.optim_step import decides_on_device
+    from zeroshard.core.step import decides_on_device
     poisoned = 3
     losses = {}
     for name in ("torch", "zeroshard"):

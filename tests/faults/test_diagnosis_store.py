@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from helpers.spawn import free_port
-from zeroshard.diverge import DivergenceError, Watch
+from zeroshard.comm.watch import DivergenceError, Watch
 
 
 def _watch(rank: int, store: dist.Store, calls: list[str]) -> Watch:

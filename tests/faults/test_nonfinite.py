@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.nonfinite import NonFiniteError
-from zeroshard.optim_step import decides_on_device
+from zeroshard.core.nonfinite import NonFiniteError
+from zeroshard.core.step import decides_on_device
 from helpers.models import TinyGPT, loss_fn, rank_batch
 from helpers.spawn import spawn
 

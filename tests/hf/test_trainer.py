@@ -445,7 +445,7 @@ def test_one_process_seeing_several_gpus_keeps_its_micro_batch(tmp_path, keep_rn
 
 
 def test_the_group_matches_the_processes_trainer_counts(tmp_path, keep_rng, own_group, monkeypatch):
-    from zeroshard import hf_trainer
+    from zeroshard.integrations.hf import trainer as hf_trainer
     started = []
 
     def stop(backend=None):

@@ -13,7 +13,7 @@ import torch
 
 from helpers.spawn import spawn
 from test_offload import _train
-from zeroshard.nvme.store import DiskStore
+from zeroshard.offload.nvme.store import DiskStore
 
 BLOCK = 4096  # the smallest block the store takes: 4 KiB
 

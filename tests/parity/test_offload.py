@@ -202,7 +202,7 @@ def _fused(rank: int, world_size: int) -> None:
     handler.emit = records.append
     logging.getLogger("zeroshard").addHandler(handler)
     try:
-        from zeroshard import offload
+        from zeroshard.core import optim as offload
         offload._SLOW_WARNED.clear()
         for _ in range(2):
             zeroshard.initialize(TinyGPT(), lambda p: torch.optim.Adam(p, lr=1e-3),
@@ -221,7 +221,7 @@ def test_a_failed_delayed_update_is_raised_at_the_step_not_in_backward():
     """The worker's error waits for a call that may raise on every rank alike (step, checkpoint):
     raising inside a backward hook on one rank would leave its peers in their collectives. The
     half-done update never reaches the parameters, and the scheduler does not step for it."""
-    from zeroshard.offload import Copier
+    from zeroshard.offload.host import Copier
     copier, stepped = Copier(torch.device("cpu")), []
 
     def update() -> None:

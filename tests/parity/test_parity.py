@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard import flat_grad
+from zeroshard.core import flat_grad
 from helpers.spawn import spawn
 from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
 

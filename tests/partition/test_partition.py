@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.partition import build_layout, padded_numel
+from zeroshard.core.partition import build_layout, padded_numel
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])

@@ -15,7 +15,7 @@ import zeroshard
 from helpers.models import TinyGPT, loss_fn, rank_batch
 from helpers.spawn import spawn
 from zeroshard.config import ScalerConfig
-from zeroshard.precision import LossScaler
+from zeroshard.core.precision import LossScaler
 
 
 class DeepSpeedScaler:

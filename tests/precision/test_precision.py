@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.optim_step import sub_groups
+from zeroshard.core.step import sub_groups
 from helpers.spawn import spawn
 from helpers.accounting import live_tensor_bytes
 from helpers.margins import SIXTEEN_BIT_ATOL, SIXTEEN_BIT_LOSS_RTOL, SIXTEEN_BIT_RTOL, close

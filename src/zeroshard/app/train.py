@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
 
+from .baseline import DDPBaseline
 from .data import Batches, load_corpus
 from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
-from .baseline import DDPBaseline
 from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report
 from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
                       store_per_attempt, write_progress)

@@ -3,6 +3,8 @@
 A DeepSpeed user's JSON works as-is when it uses keys we implement. Every other key is refused by
 name: an unknown key (usually a typo) lists the accepted ones; a DeepSpeed key we have not built yet
 says so, so a config is never half-applied.
+
+May import: nothing of zeroshard (config sits beneath every floor but common).
 """
 from __future__ import annotations
 

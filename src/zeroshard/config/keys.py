@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
-from .noop_keys import accept_no_op
 from .activation_keys import activations
+from .noop_keys import accept_no_op
+from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
 from .optimizer_keys import optimizer
 from .scheduler_keys import scheduler
-from .values import as_bool, as_dict, as_int, as_number, refuse_auto, refuse_true
 from .sections import DTYPES, ConfigError, ScalerConfig, Settings, ZeroConfig
+from .values import as_bool, as_dict, as_int, as_number, refuse_auto, refuse_true
 
 # DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
 NOT_IMPLEMENTED_TOP = {

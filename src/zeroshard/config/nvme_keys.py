@@ -2,7 +2,7 @@
 and DeepSpeed's `aio` section.
 
 Invariant: every key is checked here, at load, with an error that names it; the checks that need
-the file system (the path exists, is writable, has room) run at initialize (nvme/rundir.py), before
+the file system (the path exists, is writable, has room) run at initialize (offload/nvme/rundir.py), before
 the first file is written. `aio` is accepted for compatibility: its values are validated and kept,
 and only `thread_count` and `block_size` are used (zeroshard's I/O is pread/pwrite on a thread pool,
 not libaio); the others are advisory.

@@ -7,6 +7,8 @@ materialize()) give the model its values. The mechanism is in tensor.py and reco
 
 At stage 3 a rank never holds more than its shards plus one unit's full parameters; the values are
 bit-identical to `GPT(config)` built normally from the same seed, at any world size.
+
+May import: nothing of zeroshard (core's units.py materializes through it).
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from .tensor import OWN_ATTRIBUTES, DeferredTensor
 from .recording import Recording
+from .tensor import OWN_ATTRIBUTES, DeferredTensor
 
 
 @contextmanager

@@ -1,4 +1,7 @@
-"""Composition with torch tensor parallelism (2-D meshes) and ZeRO-R activation checkpoints."""
+"""Composition with torch tensor parallelism (2-D meshes) and ZeRO-R activation checkpoints.
+
+May import: common, config, comm (the flat buffers are core's: parallel knows only DTensors).
+"""
 from .mesh import Axes, check_heads, split
 from .plan import tensor_parallel
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm import Comm
+from ..comm.collectives import Comm
 from ..config.sections import ActivationConfig
 
 logger = logging.getLogger("zeroshard")

@@ -23,7 +23,7 @@ from ..config import ConfigError
 from .dtensor import split_over_tp
 
 if TYPE_CHECKING:
-    from ..comm import Comm
+    from ..comm.collectives import Comm
 
 DIMS = ("dp", "tp")
 _FIX = "build it with init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\"))"

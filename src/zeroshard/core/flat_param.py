@@ -1,0 +1,298 @@
+"""Flat parameters: one padded, contiguous buffer per (unit, parameter group), sharded over ranks.
+
+Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the padded buffer):
+- module parameters are views of `full` while it is gathered (always, at stages 0-2);
+- `shard` is this rank's slice, in the compute dtype: an alias of `full` at stages 0-2, its own
+  tensor at stage 3 (in host memory with offload_param, unless the buffer stays gathered), and None
+  at stage 3 where a 16-bit buffer has a device fp32 master: each gather casts the master into its
+  place in `full` (as FSDP2 does), so no lasting 16-bit copy (2Ψ/N) sits beside the master;
+- `master` is what the optimizer updates (fp32; the whole buffer at stage 0, the shard otherwise). It
+  aliases the parameters when they are fp32 and not offloaded, otherwise it is a copy written back
+  after each step (with offload_optimizer it is on the host, and so are `host`'s transfer buffers);
+- each trainable FlatParam is reduced exactly once per backward (or per step at stages 0-1), in the
+  same order on every rank, so the collectives always match across ranks;
+- under tensor parallelism the buffer holds local shards (parallel/dtensor.py says in which order),
+  and its parameters are either all split over tp (`tp_sharded`) or all replicated there.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from ..comm.buckets import Pending, complete
+from ..comm.collectives import Comm
+from ..common.states import move
+from ..offload.host import Copier, HostCopies
+from ..parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
+from .flat_grad import FlatGrad
+from .partition import Slot, build_layout
+from .placeholders import Placeholders
+from .policy import Buckets, StagePolicy
+from .precision import Precision
+
+
+class ParamState(Enum):
+    SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
+    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch; after the step until
+                             # it ends, or the next forward with defer_param_gather); placeholders
+    GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
+
+
+_PARAM_MOVES = {
+    ParamState.SHARDED: {ParamState.GATHERING},
+    ParamState.GATHERING: {ParamState.GATHERED, ParamState.SHARDED},
+    ParamState.GATHERED: {ParamState.SHARDED, ParamState.GATHERING},
+}
+
+
+class FlatParam(FlatGrad):
+    """The parameters of one (unit, group), laid end to end; see the module docstring. (Its
+    gradient's side: flat_grad.FlatGrad.)"""
+
+    def __init__(self, named_params: list[tuple[tuple[str, ...], nn.Parameter]], comm: Comm,
+                 policy: StagePolicy, buckets: Buckets, precision: Precision, trainable: bool,
+                 persistent: bool = False, group: int = 0, copier: Copier | None = None) -> None:
+        self.params = [p for _, p in named_params]
+        self.specs: list[TpSpec | None] = [spec_of(p) for p in self.params]  # None: not a DTensor
+        self.tp_sharded = any(s is not None and s.sharded for s in self.specs)
+        self._spec_by_id = {id(p): spec for p, spec in zip(self.params, self.specs)}
+        self.layout = build_layout([(names, tuple(laid_out(local_of(p), spec).shape))
+                                    for (names, p), spec in zip(named_params, self.specs)], comm.world_size)
+        self.comm, self.policy, self.buckets, self.precision = comm, policy, buckets, precision
+        self.trainable, self.group = trainable, group  # group: the user's parameter group (-1: frozen)
+        self.label = ""  # "unit 3 (h.2)": names its collectives in fingerprints (set by the engine)
+        self.slot_of = {id(p): slot for p, slot in zip(self.params, self.layout.slots)}
+        self.range = self.layout.shard_range(comm.rank)
+        source = self._initial_values()
+        owned = source if not policy.shard_optimizer else source[self.range[0]:self.range[1]]
+        self.full = source.to(precision.param_dtype)  # the same tensor when no conversion is needed
+        self.persistent = not policy.shard_params or persistent
+        self.shard = self.full[self.range[0]:self.range[1]]
+        self.shard_on_host = policy.shard_params and precision.offload_params and not self.persistent
+        if self.shard_on_host:  # in host memory, or in a file with disk offload
+            self.shard = copier.new_shard(self.full[self.range[0]:self.range[1]], precision.pin_params)
+        elif policy.shard_params:
+            cast = trainable and not self.persistent and precision.param_dtype != torch.float32 and \
+                not precision.offload  # (the master is on the device: cast from it at each gather)
+            self.shard = None if cast else self.shard.clone()
+        self.copier = copier
+        self._host_read: "torch.cuda.Event | None" = None  # the last copy up of a host shard
+        self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
+        self.state = ParamState.GATHERED
+        self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
+        self._placeholder = Placeholders(self.full.dtype, self.full.device)  # a write into one is refused
+        # Each parameter's view of `full`, made once: `full` keeps one storage, resized in place by
+        # free() and prefetch(), so the views stay valid (stage 3 points parameters at them each gather).
+        self._views = [local_view(self.full[slot.span], slot.shape, spec)
+                       for slot, spec in zip(self.layout.slots, self.specs)]
+        self._point_params_at_full()
+        self.master: torch.Tensor | None = None
+        self.opt_param: nn.Parameter | None = None
+        self._gathering: Pending = []  # an all-gather issued (a prefetch, or after the step)
+        self._init_grads()
+        if trainable:
+            self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
+        if not self.persistent:
+            self.free()
+
+    def _initial_values(self) -> torch.Tensor:
+        """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
+        # On the group's device: a model built on the CPU moves here one buffer at a time.
+        source = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.comm.device)
+        with torch.no_grad():
+            for p, slot, spec in zip(self.params, self.layout.slots, self.specs):
+                source[slot.span].copy_(laid_out(local_of(p), spec).detach().reshape(-1))
+            with self.comm.outside_step():
+                self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
+                if not self.tp_sharded:
+                    self.comm.broadcast_tp(source)  # and a replicated parameter from tp rank 0's
+        return source
+
+    def _init_trainable(self, owned_source: torch.Tensor) -> None:
+        p = self.precision
+        self._allocate_grads()
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
+            self.master = self.copier.new_master(owned_source, p.pin_memory)  # host memory, or a file
+            self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype,
+                                   None if self.shard_on_host else p.param_dtype)
+        elif p.separate_master:
+            self.master = owned_source.to(torch.float32, copy=True)
+        else:
+            self.master = updated
+        self.opt_param = nn.Parameter(self.master)  # shares storage: updates land in `master`
+
+    # ---- parameters -------------------------------------------------------------------------
+    def _point_params_at_full(self) -> None:
+        for p, view, spec in zip(self.params, self._views, self.specs):
+            point(p, view, spec)
+
+    def refuse_replaced(self) -> None:
+        """No parameter was replaced, nor a placeholder written (a replaced one is pointed back)."""
+        views = self._views if self.state is ParamState.GATHERED else None
+        self._placeholder.refuse_replaced(self.params, self.specs, views, self.layout.slots)
+
+    def _set_state(self, new: ParamState) -> None:
+        self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
+
+    def prefetch(self) -> None:
+        """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
+        if self.state is ParamState.SHARDED:
+            self.issue_gather()
+
+    def issue_gather(self) -> None:
+        """Issue the all-gather of `full`: left in flight (GATHERING), except a post-step gather
+        through several buckets, which completes here, one at a time (in flight together, their
+        buckets would add up to a second copy of the parameters), unless deferred."""
+        shard = self.outgoing_shard()
+        with torch.no_grad():
+            if self.state is ParamState.GATHERED and not self.gather_behind_forward and \
+                    len(self.layout.shard_chunks(self.buckets.gather)) > 1:
+                self._all_gather(self.full, shard)
+                return
+            self.mark_gathering(self._all_gather(self.full, shard, async_op=True))
+
+    def outgoing_shard(self) -> torch.Tensor:
+        """The shard a gather sends (a freed buffer first gets its storage back: a prefetch)."""
+        return self._storage_back() if self.state is ParamState.SHARDED else self._shard_on_device()
+
+    def mark_gathering(self, pending: Pending) -> None:
+        """An all-gather into `full` is in flight: gather() completes it."""
+        self._gathering = pending
+        if self.state is ParamState.GATHERED:  # stray reads fail loudly, not see half-written values
+            self._placeholder.point(self.params, self.specs)
+        self._set_state(ParamState.GATHERING)
+
+    def _storage_back(self) -> torch.Tensor:
+        """Give `full` its storage back for a gather; returns the shard to send."""
+        # Resize the same storage back rather than allocating a new tensor: views that autograd
+        # saved during forward keep pointing at this storage and become valid again.
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        return self._shard_on_device()
+
+    def await_host_read(self) -> None:
+        """Before the host writes an offloaded shard: wait for the last copy that reads it."""
+        if self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
+
+    def _shard_on_device(self) -> torch.Tensor:
+        """The shard, ready for a collective to read: a host shard is copied up into its own place
+        in `full` (the all-gather then runs in place), as is the master cast to 16 bits where no
+        shard is kept; an uploaded update is waited for."""
+        if self.shard is None:
+            own = self.full[self.range[0]:self.range[1]]
+            own.copy_(self.master)
+            return own
+        if self.shard_on_host:
+            own = self.full[self.range[0]:self.range[1]]
+            self.copier.shard_up(own, self.shard)  # pinned: ordered on the compute stream, host free
+            if own.is_cuda:  # the host must not write the shard until this copy has read it
+                self._host_read = torch.cuda.Event()
+                self._host_read.record()
+            return own
+        if self.host is not None:
+            self.host.before_device_read()
+        return self.shard
+
+    def gather(self) -> None:
+        """Make `full` current and point module parameters at it (a no-op where it is: always at
+        stages 0-2, except after a step with gather_behind_forward)."""
+        if self.state is not ParamState.GATHERED:
+            self.prefetch()
+            with torch.no_grad():
+                complete(self._gathering)
+        self.refuse_replaced()  # (after the collective: a rank refusing alone leaves no peer waiting)
+        if self.state is not ParamState.GATHERED:
+            self._point_params_at_full()
+            self._set_state(ParamState.GATHERED)
+
+    def free(self) -> None:
+        """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
+        if self.persistent or self.state is ParamState.SHARDED:
+            return
+        complete(self._gathering)  # an all-gather in flight must land before its storage goes
+        self.refuse_replaced()  # (their values would be lost unseen)
+        self._placeholder.point(self.params, self.specs)
+        self.full.untyped_storage().resize_(0)
+        self._set_state(ParamState.SHARDED)
+
+    def gather_into_full(self) -> None:
+        """Refresh a `full` that is kept gathered (persistent) from the shards."""
+        with torch.no_grad():
+            self._all_gather(self.full, self.shard)
+
+    def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
+        chunks = self.layout.shard_chunks(self.buckets.gather)
+        with self.comm.about(self.label):
+            return self.comm.gather_shards(full, shard, chunks, async_op)
+
+    def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
+        """(slot, value) of every parameter (its local shard under tp), viewing one new gathered copy
+        (collective at stage >= 1)."""
+        full = self.gathered_copy()
+        return [(slot, local_view(full[slot.span], slot.shape, spec))
+                for slot, spec in zip(self.layout.slots, self.specs)]
+
+    def owned_range(self) -> tuple[int, int]:
+        """Elements of the padded buffer this rank keeps a lasting copy of: all of them where the
+        buffer is replicated (a trainable one at stage 0, a frozen one below stage 3), else its shard."""
+        whole = not self.policy.shard_optimizer if self.trainable else not self.policy.shard_params
+        return (0, self.layout.padded_numel) if whole else self.range
+
+    def owned_values(self) -> torch.Tensor:
+        """The tensor covering owned_range(): the master (trainable), else the shard or the buffer."""
+        if self.trainable:
+            return self.master
+        return self.shard if self.policy.shard_params else self.full
+
+    def gathered_copy(self) -> torch.Tensor:
+        """The full padded values (from the fp32 master where there is one: with the delayed
+        update it is a step newer than the parameters), in a new tensor."""
+        if self.trainable and self.precision.separate_master:
+            owned = self.master.to(self.full.device)
+            if not self.policy.shard_optimizer:
+                return owned.clone()
+            out = torch.empty(self.layout.padded_numel, dtype=owned.dtype, device=owned.device)
+            self._all_gather(out, owned)
+            return out
+        if self.state is ParamState.GATHERED:
+            return self.full.detach().clone()
+        out = torch.empty(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
+        self._all_gather(out, self.shard.to(out.device))
+        return out
+
+    def write_back(self) -> None:
+        """After the optimizer step: refresh the compute-dtype parameters from the master, then
+        issue the all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered).
+        gather() completes it: the step does, once every buffer's is issued, so they pipeline and
+        overlap the next sub-group's update (gather_together.write_back_together sends small
+        buffers' as one); with gather_behind_forward, the next forward does."""
+        if self.refresh_from_master():
+            self.issue_gather()
+
+    def refresh_from_master(self) -> bool:
+        """Copy the master's new values into what the parameters are computed from (the shard, or
+        `full` at stage 0). Returns whether `full` must then be all-gathered (write_back)."""
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        # The values change under every parameter's feet (they view `full`, or are placeholders):
+        # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
+        torch.autograd.graph.increment_version(self.params)
+        if self.state is not ParamState.GATHERED:  # placeholders: this bump is no user's write
+            self._placeholder.note(self.params)
+        with torch.no_grad():
+            if self.master is not updated and self.host is not None and not self.shard_on_host:
+                self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously
+            elif self.master is not updated and self.shard_on_host:
+                self.await_host_read()
+                self.copier.shard_down(updated, self.master)  # host memory, or its file
+            elif self.master is not updated and updated is not None:  # (None: cast at the next gather)
+                updated.copy_(self.master)
+        return self.policy.shard_optimizer and self.persistent
+
+    def finish_write_back(self) -> None:
+        """Complete the all-gather write_back() issued, unless the next forward is to."""
+        if self.state is ParamState.GATHERING and not self.gather_behind_forward:
+            self.gather()

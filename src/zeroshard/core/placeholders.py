@@ -1,0 +1,79 @@
+"""What a parameter is while its buffer is not gathered (stage 3 at rest, stages 1-2 while a
+deferred post-step all-gather is in flight): an empty tensor of its dtype, on its device.
+
+A read of it fails loudly or reads nothing. A write into it (`p.zero_()`, `nn.init.normal_(p)`,
+`model.apply(init_fn)` after initialize) would be lost without a word: the values live in the shard
+and the master, which the write never reaches. So each placeholder's autograd version is noted when
+the parameter is pointed at it, and the next gather refuses a parameter whose version moved, by
+name, with the way to change weights that does reach them. (`p.data.zero_()` bypasses the version
+counter, as it bypasses autograd: that one cannot be seen.)
+
+Nor does the counter see a parameter's tensor replaced (`p.data = t`, `model.half()` or `.to()` after
+initialize): the parameter then computes with a tensor zeroshard never reads, trained apart from the
+shards or not at all, and the next gather would silently undo it. So every gather and free first
+checks that each parameter still holds what it was pointed at (`Placeholders.refuse_replaced`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.dtensor import TpSpec, local_of, point
+from .partition import Slot
+
+
+class Placeholders:
+    """The empty tensor a buffer's parameters view while it is not gathered, and their versions."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+        self.versions: list[int] | None = None  # noted when pointed here; None while gathered
+
+    def point(self, params: list[nn.Parameter], specs: list[TpSpec | None]) -> None:
+        for p, spec in zip(params, specs):
+            point(p, self.empty, spec)
+        self.note(params)
+
+    def note(self, params: list[nn.Parameter]) -> None:
+        """Take the versions as they are now (after zeroshard's own version bump at a step)."""
+        self.versions = [p._version for p in params]
+
+    def refuse_replaced(self, params: list[nn.Parameter], specs: list[TpSpec | None],
+                        views: list[torch.Tensor] | None, slots: list[Slot]) -> None:
+        """Each parameter still computes with what it was pointed at: its view of the flat buffer
+        (`views`, while gathered), or else this placeholder, unwritten (check_untouched). A replaced
+        one is pointed back before the refusal, so the engine stays whole for a retry."""
+        expected = views or [self.empty] * len(params)
+        # By memory and dtype (a replacement is new memory, but empty ones share address 0: an empty
+        # placeholder cast by `model.half()` differs in dtype only). This runs at every gather and
+        # free, so it must cost little (0.4 us a parameter here).
+        replaced = [slot.names[0] for p, e, slot in zip(params, expected, slots)
+                    if (t := local_of(p)).data_ptr() != e.data_ptr() or t.dtype != e.dtype]
+        if replaced:
+            for p, e, spec in zip(params, expected, specs):
+                point(p, e, spec)
+            if views is None:
+                self.note(params)
+            raise RuntimeError(
+                f"{', '.join(replaced)}: the parameter's tensor was replaced after initialize() (`p.data = "
+                f"...`, model.half()/.to()/.cuda(), or transformers' tie_weights() padding a tied layer's "
+                f"bias, on the engine's model), so its new values would be "
+                f"neither trained nor kept; the replacement is undone. Write values in place instead, "
+                f"inside `with engine.gathered_parameters(modifier_rank=0):` (p.copy_(new) under "
+                f"torch.no_grad()), or change the model before initialize()")
+        if views is None:
+            self.check_untouched(params, slots)
+
+    def check_untouched(self, params: list[nn.Parameter], slots: list[Slot]) -> None:
+        """Before the parameters view gathered values again: none was written meanwhile."""
+        versions = self.versions  # (kept: only pointing at the placeholder again notes new ones)
+        if versions is None:
+            return
+        written = [slot.names[0] for p, slot, v in zip(params, slots, versions) if p._version != v]
+        if written:
+            raise RuntimeError(
+                f"{', '.join(written)} changed in place while this rank held only its shard (outside "
+                f"forward at stage 3, or before the deferred all-gather landed): the parameter was an "
+                f"empty placeholder, so the change was lost. Change weights inside `with "
+                f"engine.gathered_parameters(modifier_rank=0):` (rank 0's values go to every rank and "
+                f"into the fp32 masters), or before initialize()")

@@ -1,0 +1,48 @@
+"""Hugging Face integration: `ZeroTrainer` (transformers.Trainer on zeroshard, trainer.py), and
+any causal-LM architecture built from a local config.json with fresh weights.
+
+Nothing is downloaded: the config is read from disk and the model is initialised from scratch, so
+`zeroshard train --hf-config config.json` trains, say, a small LLaMA or GPT-2 on the byte corpus.
+transformers is an optional dependency (pip install 'zeroshard[hf]'): importing this module does not
+import it; `zeroshard.hf.ZeroTrainer` does, on first use.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZeroTrainer":  # lazily: transformers is imported only when it is asked for
+        from .trainer import ZeroTrainer
+        return ZeroTrainer
+    raise AttributeError(f"module 'zeroshard.hf' has no attribute {name!r}")
+
+
+def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise RuntimeError("--hf-config needs the transformers package: "
+                           "pip install 'zeroshard[hf]'") from None
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"--hf-config: '{file}' does not exist")
+    with open(file) as f:
+        raw = json.load(f)
+    if "model_type" not in raw:
+        raise ValueError(f"--hf-config: '{file}' has no \"model_type\" (e.g. \"gpt2\", \"llama\")")
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config.use_cache = False  # training: no key/value cache in the outputs
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if context is not None and context < seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context ({context}) in '{file}'")
+    if getattr(config, "vocab_size", 256) < 256:
+        raise ValueError(f"'{file}' has vocab_size {config.vocab_size}; byte-level data needs >= 256")
+    # fp32 weights whatever the file's dtype (real configs say "bfloat16"): --precision decides what
+    # the model computes in, and the masters start from full-precision initial values.
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,184 @@
+"""zero_config meets TrainingArguments: one value for each setting both can hold, or a clear error.
+
+DeepSpeed's Hugging Face integration lets a config write "auto" where Trainer's arguments should
+decide; ZeroTrainer does the same. For each key below, "auto" (or leaving the key out) takes the
+TrainingArguments value, and any other value must equal it: a contradiction is refused, naming
+both. "auto" on a key with no TrainingArguments counterpart (DeepSpeed's bucket sizes, say) takes
+zeroshard's default. What comes out is a plain config for zeroshard.initialize, with no "auto" left
+(initialize refuses one by name) and accumulation 1: Trainer drives accumulation itself, calling
+engine.backward per micro-batch and engine.step() once per window. Needs no transformers import.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from typing import Any, Callable
+
+from ...config import Config, ConfigError
+
+# zero_config key -> (what TrainingArguments calls it, its value there)
+_SHARED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size",
+                                       lambda a: a.per_device_train_batch_size),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", lambda a: a.gradient_accumulation_steps),
+    "train_batch_size": ("per_device_train_batch_size x gradient_accumulation_steps x world size",
+                         lambda a: a.per_device_train_batch_size * a.gradient_accumulation_steps
+                         * a.world_size),
+    "gradient_clipping": ("max_grad_norm", lambda a: max(a.max_grad_norm or 0.0, 0.0)),
+    "bf16.enabled": ("bf16", lambda a: bool(a.bf16)),
+    "fp16.enabled": ("fp16", lambda a: bool(a.fp16)),
+}
+# "auto" in the optimizer section's params (the section itself wins over TrainingArguments.optim)
+_OPTIMIZER_AUTO: dict[str, Callable[[Any], Any]] = {
+    "lr": lambda a: a.learning_rate, "betas": lambda a: [a.adam_beta1, a.adam_beta2],
+    "eps": lambda a: a.adam_epsilon, "weight_decay": lambda a: a.weight_decay,
+}
+# TrainingArguments.optim values that are torch optimizers zeroshard can run over flat shards
+TORCH_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
+# TrainingArguments that would hand the model to another engine, or that ZeroTrainer cannot honour yet
+_REFUSED = {
+    "deepspeed": "ZeroTrainer is the ZeRO engine here: put the DeepSpeed config in zero_config= instead",
+    "fsdp": "ZeroTrainer shards the model itself: use zero_optimization.stage 3 in zero_config instead",
+    "torch_compile": "not supported by ZeroTrainer yet",
+    "auto_find_batch_size": "a model is wrapped by zeroshard once, so a smaller batch cannot be retried",
+}
+
+
+def check_arguments(args: Any) -> None:
+    """Refuse, by name, TrainingArguments that ZeroTrainer cannot honour (before Trainer acts on them)."""
+    for name, why in _REFUSED.items():
+        if getattr(args, name, None):
+            raise ValueError(f"TrainingArguments.{name}={getattr(args, name)!r} cannot be used with "
+                             f"ZeroTrainer: {why}")
+
+
+def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any,
+                   custom_optimizer: bool = False) -> dict[str, Any]:
+    """The config ZeroTrainer gives initialize(): `source` with TrainingArguments filled in."""
+    raw = _load(source)
+    checked = copy.deepcopy(raw)
+    checked.pop("scheduler", None)  # (checked by fill_scheduler)
+    _drop_auto(checked, "")
+    Config.load(checked)  # keys and types first: "bf16": true or a "2" is named as such, not compared
+    for key, (name, read) in _SHARED.items():
+        value = _get(raw, key)
+        if value is not None and not _is_auto(value) and value != read(args):
+            raise _contradiction(key, value, name, read(args))
+    if _get(raw, "zeroshard.delayed_param_update"):
+        raise ConfigError("zero_config 'zeroshard.delayed_param_update' cannot be used with ZeroTrainer: "
+                          "Trainer steps the lr schedule right after the optimizer step, while the delayed "
+                          "update would still be reading the learning rate; remove it")
+    cfg = copy.deepcopy(raw)
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):  # checked above; Trainer batches
+        cfg.pop(key, None)
+    cfg["gradient_accumulation_steps"] = 1
+    cfg["gradient_clipping"] = _SHARED["gradient_clipping"][1](args)
+    for precision in ("bf16", "fp16"):
+        if precision in cfg or getattr(args, precision):
+            section = cfg.get(precision) if isinstance(cfg.get(precision), dict) else {}
+            cfg[precision] = {**section, "enabled": bool(getattr(args, precision))}
+    optim = getattr(args.optim, "value", args.optim)
+    if isinstance(cfg.get("optimizer"), dict):
+        params = cfg["optimizer"].get("params")
+        for key, value in list(params.items()) if isinstance(params, dict) else []:
+            if _is_auto(value) and key in _OPTIMIZER_AUTO:
+                params[key] = _OPTIMIZER_AUTO[key](args)
+        warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, and "
+                      f"TrainingArguments.optim={optim!r} is ignored (with learning_rate, adam_* and "
+                      f"weight_decay, except where the section says \"auto\")", UserWarning, stacklevel=3)
+    elif not custom_optimizer and optim not in TORCH_OPTIMS:
+        raise ConfigError(f"TrainingArguments.optim={optim!r} is not an optimizer zeroshard can run over "
+                          f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
+                          f"zero_config, or optimizer_cls_and_kwargs=(an elementwise optimizer, kwargs)")
+    schedule = cfg.pop("scheduler", None)  # Trainer steps it, once it knows the steps (fill_scheduler)
+    _drop_auto(cfg, "")
+    Config.load(cfg)  # refuse a bad key now, not at the first training step
+    if schedule is not None:
+        fill_scheduler(schedule, args, steps=None)  # likewise; the number of steps comes later
+        cfg["scheduler"] = schedule
+    if _get(cfg, "zero_optimization.stage") is None:  # the default, 0, would shard nothing, silently
+        raise ConfigError("zero_config has no 'zero_optimization.stage': ZeroTrainer does not pick one "
+                          "(the default, 0, would shard nothing); write it, e.g. "
+                          "{\"zero_optimization\": {\"stage\": 3}} (0 for plain data parallelism)")
+    return cfg
+
+
+# "auto" in the scheduler section's params, as DeepSpeed's Hugging Face integration fills them:
+# (what TrainingArguments calls it, its value given the number of training steps)
+_SCHEDULER_AUTO: dict[str, tuple[str, Callable[[Any, int], Any]]] = {
+    "warmup_min_lr": ("(no counterpart: 0)", lambda a, n: 0.0),
+    "warmup_max_lr": ("learning_rate", lambda a, n: a.learning_rate),
+    "warmup_num_steps": ("get_warmup_steps() (at least 1)", lambda a, n: max(1, a.get_warmup_steps(n))),
+    "total_num_steps": ("the training steps", lambda a, n: n),
+}
+
+
+def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
+    """The "scheduler" section as a SchedulerConfig for `steps` training steps: "auto" takes the
+    TrainingArguments value; any other value must equal it (warmup_min_lr excepted). With steps
+    None (not known yet), what depends on them is only checked for type."""
+    section = copy.deepcopy(section)
+    params = section.get("params") if isinstance(section, dict) else None
+    for key, value in list(params.items()) if isinstance(params, dict) else []:
+        if key in _SCHEDULER_AUTO:
+            name, read = _SCHEDULER_AUTO[key]
+            known = steps is not None or key == "warmup_max_lr"
+            if _is_auto(value):
+                params[key] = read(args, steps) if known else 1
+            elif known and key != "warmup_min_lr" and value != read(args, steps):
+                raise _contradiction(f"scheduler.params.{key}", value, name, read(args, steps))
+    return Config.load({"scheduler": section}).scheduler
+
+
+def _contradiction(key: str, value: Any, name: str, expected: Any) -> ConfigError:
+    """A zero_config value that contradicts TrainingArguments, both named."""
+    return ConfigError(f"zero_config '{key}' is {value!r} but TrainingArguments {name} is {expected!r}: "
+                       f"make them equal, or write \"auto\" in zero_config to take the TrainingArguments "
+                       f"value")
+
+
+def _load(source: "dict | str | os.PathLike | Config | None") -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Config):
+        return dict(source.raw)
+    if isinstance(source, dict):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        if not os.path.isfile(source):
+            raise ConfigError(f"zero_config file '{os.fspath(source)}' does not exist")
+        with open(source) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"zero_config file '{os.fspath(source)}' is not valid JSON: {e}") from None
+    raise ConfigError(f"zero_config must be a dict, a path to a JSON file or a zeroshard.Config, "
+                      f"got {type(source).__name__}")
+
+
+def _get(raw: dict[str, Any], key: str) -> Any:
+    section, _, leaf = key.rpartition(".")
+    holder = raw.get(section) if section else raw
+    return holder.get(leaf) if isinstance(holder, dict) else None
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == "auto"
+
+
+_NO_DEFAULT_FOR_AUTO = {"zero_optimization.stage"}  # a choice the user must make: no silent stage 0
+
+
+def _drop_auto(cfg: dict[str, Any], prefix: str) -> None:
+    """Every "auto" left has no TrainingArguments counterpart: zeroshard's default applies (the
+    stage excepted: "auto" there is refused by name, as a default stage 0 would shard nothing)."""
+    for key, value in list(cfg.items()):
+        if _is_auto(value) and f"{prefix}{key}" in _NO_DEFAULT_FOR_AUTO:
+            raise ConfigError(f"config key '{prefix}{key}' is \"auto\", which TrainingArguments cannot "
+                              f"decide: write the ZeRO stage (0-3)")
+        if _is_auto(value) and f"{prefix}{key}" != "zeroshard.unit_modules":  # zeroshard's own "auto"
+            del cfg[key]
+        elif isinstance(value, dict):
+            _drop_auto(value, f"{prefix}{key}.")

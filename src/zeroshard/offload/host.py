@@ -1,0 +1,215 @@
+"""ZeRO-Offload: model states that rest in host memory, and the copies that move them.
+
+Optimizer offload (stages 1-3) keeps the fp32 master and the optimizer state on the host: each step
+the reduced gradient shard goes down in its own dtype and the updated shard comes back up in the
+compute dtype. Parameter offload (stage 3) keeps a unit's shard on the host between uses; the
+unit's all-gather copies it up first (flat_param.py).
+
+Design notes.
+- Host buffers are allocated once, at initialize, one pair per trainable flat buffer: `grad`
+  receives the reduced gradient shard, `staging` holds the compute-dtype copy of the updated master
+  on its way up. On CUDA they are always pinned: only a copy from pinned memory is asynchronous, and
+  a pageable one is staged by the driver through a bounce buffer of its own at a fraction of the
+  speed. (`pin_memory` pins what is never copied directly, the master; for offloaded parameter
+  shards, which are, it matters.) Per step, only the sub-group's fp32 gradient temporaries are
+  allocated.
+- Copies run on one side stream, so a gradient's way down overlaps the rest of backward and a
+  shard's way up overlaps the next sub-group's update. Each copy records an event, and each reader
+  waits for its own copy only: the host before it reads `grad`, the compute stream before the
+  all-gather that reads an uploaded shard. The side stream first waits for the compute stream, so
+  a copy never reads a value still being produced.
+- A gradient is downloaded as soon as its reduction ends on the backward that ends an accumulation
+  cycle; `version` (bumped at every reduction) tells whether a later backward changed it since,
+  so correctness never depends on when the early copy happened.
+- On a CPU process group host and device are one memory, so the host copies would only duplicate
+  what is already there: `grad` is then the reduced gradient itself and an update is written
+  straight into the shard, with no `staging`. (Disk offload's largest model is set by this: the
+  copy cost a second gradient shard per rank.) Only the delayed parameter update keeps both
+  buffers, because its step reads `grad` on a worker thread while the next backward writes the
+  gradient.
+- Disk offload (nvme/) replaces a host tensor by a file: `disk` is then the rank's store, and the
+  master and the shards are made, read and written through the methods below, never by mapping.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+class Copier:
+    """One engine's host<->device copies: the side stream (CUDA), pinned allocation, and the
+    delayed parameter update's worker thread, which the host gradient buffers must wait for."""
+
+    def __init__(self, device: torch.device, delayed: bool = False) -> None:
+        """delayed: the delayed parameter update is on (the host step overlaps the next backward)."""
+        self.device = device
+        self.one_memory = device.type == "cpu" and not delayed  # no copies needed: see the notes
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._worker: ThreadPoolExecutor | None = None
+        self._update: Future | None = None
+        self._then: Callable[[], None] = lambda: None
+        self._error: BaseException | None = None
+        self.unwritten = False  # an update is done (or in flight) that the parameters lack
+        self.disk = None  # nvme.DiskStore with disk offload: the master/shards rest in its files
+        self._files = 0
+
+    # ---- where offloaded tensors rest: host memory, or files (disk offload) -------------------
+    def new_master(self, values: torch.Tensor, pin: bool) -> torch.Tensor:
+        """The fp32 master shard with `values`: in host memory, or in a file of the disk store."""
+        if self.disk is not None and "optimizer" in self.disk.dirs:
+            self._files += 1
+            master = self.disk.new_tensor("optimizer", f"flat{self._files}.master", values.numel(),
+                                          torch.float32)
+            self.disk.write(master, values.float())
+            return master
+        master = self.host_empty(values.numel(), torch.float32, pin)
+        master.copy_(values)
+        return master
+
+    def new_shard(self, values: torch.Tensor, pin: bool) -> torch.Tensor:
+        """A stage-3 parameter shard at rest with `values`: in host memory, or in a file."""
+        if self.disk is not None and "param" in self.disk.dirs:
+            self._files += 1
+            shard = self.disk.new_tensor("param", f"flat{self._files}.shard", values.numel(), values.dtype)
+            self.disk.write(shard, values)
+            return shard
+        shard = self.host_empty(values.numel(), values.dtype, pin)
+        shard.copy_(values)
+        return shard
+
+    def shard_up(self, own: torch.Tensor, shard: torch.Tensor) -> None:
+        """own <- an offloaded shard (a file is read into it; host memory is copied, asynchronously
+        from pinned memory)."""
+        if self.disk is not None and self.disk.owns(shard):
+            self.disk.read_shard(shard, own)
+        else:
+            own.copy_(shard, non_blocking=True)
+
+    def shard_down(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        """An offloaded shard <- values (the updated master, in the shard's dtype)."""
+        if self.disk is not None and self.disk.owns(shard):
+            self.disk.write_shard(shard, values)
+        else:
+            shard.copy_(values)
+
+    def close(self) -> None:
+        """Remove the disk store's files, if any (a failed initialize; teardown does it by itself)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def host_empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        """A host tensor, pinned if asked and there is a GPU to copy to (pinning speeds only that)."""
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and self.device.type == "cuda")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
+        """dst <- src, on the side stream where there is one. Both must stay alive and unchanged
+        until the returned event has completed (the callers' buffers are persistent)."""
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    # ---- the delayed parameter update (ZeRO-Offload's DPU) ------------------------------------
+    def start_update(self, update: Callable[[], None], then: Callable[[], None]) -> None:
+        """Run `update` (the host optimizer step) on a worker thread while training goes on;
+        `then` runs on the caller's thread once it is over (the lr scheduler: stepping it while
+        the update reads the learning rate would race)."""
+        self.finish_update()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroshard-update")
+        self._update, self._then = self._worker.submit(update), then
+        self.unwritten = True  # the parameters have not seen this update yet
+
+    def finish_update(self, raise_error: bool = True) -> None:
+        """Wait for the update in flight, if any, and re-raise its error — or, with raise_error
+        False (inside a backward hook, where raising on one rank would leave its peers waiting in
+        collectives), keep the error for the next call that may raise (step(), a checkpoint)."""
+        update, self._update = self._update, None
+        if update is not None:
+            if update.exception() is None:
+                self._then()
+            else:  # a half-updated master must not reach the parameters
+                self._error, self.unwritten = update.exception(), False
+        error, self._error = (self._error, None) if raise_error else (None, self._error)
+        if error is not None:
+            raise error
+
+class HostCopies:
+    """The host side of one trainable flat buffer under optimizer offload; see the module notes."""
+
+    def __init__(self, copier: Copier, numel: int, grad_dtype: torch.dtype,
+                 param_dtype: torch.dtype | None) -> None:
+        """param_dtype None: no `staging` (offloaded parameter shards are written on the host)."""
+        self.copier = copier
+        own = not copier.one_memory
+        self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
+        self.staging = copier.host_empty(numel, param_dtype) if own and param_dtype is not None else None
+        self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
+        self._downloaded: "torch.cuda.Event | None" = None
+        self._uploaded: "torch.cuda.Event | None" = None     # for the shard's next reader
+        self._staging_read: "torch.cuda.Event | None" = None  # for the next write to `staging`
+
+    @property
+    def nbytes(self) -> int:
+        """The host buffers this holds (none on one memory: `grad` is then the device's own)."""
+        if self.copier.one_memory:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.grad, self.staging) if t is not None)
+
+    def download(self, device_grad: torch.Tensor, version: int) -> None:
+        """Start copying the reduced gradient to the host, unless `grad` already holds this version."""
+        if self.copier.one_memory:
+            self.grad = device_grad
+            return
+        if version == self._grad_version:
+            return
+        self.copier.finish_update(raise_error=False)  # the delayed update may still read `grad`
+        self._downloaded = self.copier.copy(self.grad, device_grad)
+        self._grad_version = version
+
+    def host_grad(self, device_grad: torch.Tensor, version: int) -> torch.Tensor:
+        """The reduced gradient of this step, on the host and complete."""
+        self.download(device_grad, version)
+        if self._downloaded is not None:
+            self._downloaded.synchronize()
+            self._downloaded = None
+        return self.grad
+
+    def before_device_grad_changes(self) -> None:
+        """The device gradient is about to be written (a reduction, zeroing): a download still
+        reading it must finish first. Stream order only; the host does not wait."""
+        if self._downloaded is not None:
+            torch.cuda.current_stream(self.copier.device).wait_event(self._downloaded)
+
+    def drop_device_grad(self) -> None:
+        """The device gradient is freed (stages 2-3, after the step): on one memory `grad` was it."""
+        if self.copier.one_memory:
+            self.grad = None
+
+    def upload(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
+        """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
+        before_device_read() orders the shard's next reader after it."""
+        if self.copier.one_memory:
+            device_shard.copy_(master)
+            return
+        if self._staging_read is not None:
+            self._staging_read.synchronize()  # the previous upload may still read `staging`
+        self.staging.copy_(master)
+        self._uploaded = self._staging_read = self.copier.copy(device_shard, self.staging)
+
+    def before_device_read(self) -> None:
+        """Order the compute stream (and so the collectives issued from it) after the upload."""
+        if self._uploaded is not None:
+            torch.cuda.current_stream(self.copier.device).wait_event(self._uploaded)
+            self._uploaded = None
+
+
+def disk_store(flat: Any) -> Any:
+    """The disk store (nvme/) behind the flat's offloaded states, or None without disk offload."""
+    return getattr(flat.copier, "disk", None) if flat.copier is not None else None
