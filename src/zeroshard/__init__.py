@@ -13,7 +13,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, consolidate
 from .checkpoint import info as checkpoint_info
-from .comm.collectives import Comm
+from .comm import Comm  # noqa: F401  (zeroshard.Comm: counted collectives, for scripts and benchmarks)
 from .comm.devices import ensure_process_group
 from .comm.over_ranks import gather_objects, mean_over_ranks, rank_and_world_size
 from .comm.watch import DivergenceError
@@ -57,4 +57,4 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
     axes = _split_mesh(mesh, process_group)
     if process_group is None and mesh is None:
         ensure_process_group(timeout_s=cfg.collective_timeout)  # NCCL's waits are not bounded otherwise
-    return Engine(model, optimizer, cfg, Comm(axes.dp_group), param_groups, lr_scheduler, axes)
+    return Engine(model, optimizer, cfg, axes, param_groups, lr_scheduler)

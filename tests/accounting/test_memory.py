@@ -203,15 +203,15 @@ def test_prefetch_bucket_and_max_live_parameters():
 
 
 def _receive_buffer_counted(rank: int, world_size: int) -> None:
-    """On gloo a reduce-scatter receives every rank's slice (comm._SumOnArrival): while it is in
+    """On gloo a reduce-scatter receives every rank's slice (comm/gloo.py's SumOnArrival): while it is in
     flight, that buffer is a temporary like the input it keeps alive."""
     from types import SimpleNamespace
 
-    from zeroshard.comm.buckets import complete
+    from zeroshard.comm.buckets import complete, reduce_scatter_mean
     from zeroshard.core.memory import temporary_bytes
     full, out = torch.full((8,), float(rank + 1)), torch.empty(4)
-    pending = zeroshard.Comm().reduce_scatter_mean(out, full, [(0, 4)], torch.float32, accumulate=False,
-                                                   async_op=True)
+    pending = reduce_scatter_mean(zeroshard.Comm(), out, full, [(0, 4)], torch.float32, accumulate=False,
+                                  async_op=True)
     flat = SimpleNamespace(policy=SimpleNamespace(shard_params=False, shard_grads=True), persistent=True,
                            grad_full=None, inflight=pending)
     assert temporary_bytes(flat) == 32 + 32  # the input (8 fp32) and the receive buffer (8 fp32)
@@ -224,12 +224,12 @@ def test_a_reduce_scatter_in_flight_counts_its_receive_buffer():
 
 
 def _staging_freed(rank: int, world_size: int) -> None:
-    """Buffers gathered together (comm.gather_together) free the shared bucket once copied out,
+    """Buffers gathered together (comm/buckets.py's gather_together) free the shared bucket once copied out,
     whoever still holds it: a backend's work object may, a moment after wait() returns."""
-    from zeroshard.comm.buckets import complete
+    from zeroshard.comm.buckets import complete, gather_together
     fulls = [torch.empty(3 * world_size), torch.empty(2 * world_size)]
-    pending = zeroshard.Comm().gather_together(fulls, [torch.full((3,), rank + 0.5), torch.full((2,), -rank)],
-                                               async_op=True)
+    shards = [torch.full((3,), rank + 0.5), torch.full((2,), -rank)]
+    pending = gather_together(zeroshard.Comm(), fulls, shards, async_op=True)
     bucket = pending[0][2]
     complete(pending)
     assert fulls[0].tolist() == [r + 0.5 for r in range(world_size) for _ in range(3)]

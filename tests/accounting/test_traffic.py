@@ -166,7 +166,7 @@ def _two_buckets_at_most(rank: int, world_size: int) -> None:
     from zeroshard.comm import buckets as bucketing
     from zeroshard.core import gather_together
     x, y = rank_batch(rank, world_size)
-    issue = bucketing.Bucketed.gather_together
+    issue = bucketing.gather_together
     for sub_groups in ("one", "many"):
         torch.manual_seed(0)
         model = TinyGPT(d=32, layers=10)
@@ -179,17 +179,17 @@ def _two_buckets_at_most(rank: int, world_size: int) -> None:
         gather_together.TOGETHER_NUMEL = 2 * block + 2 * world_size  # runs of two blocks
         buckets, alive = [], []
 
-        def counted(self, fulls, shards, async_op=False):
-            pending = issue(self, fulls, shards, async_op)
+        def counted(comm, fulls, shards, async_op=False):
+            pending = issue(comm, fulls, shards, async_op)
             buckets.append(pending[0][2])
             alive.append(sum(b.untyped_storage().nbytes() > 0 for b in buckets))  # this one too
             return pending
-        bucketing.Bucketed.gather_together = counted
+        bucketing.gather_together = counted
         try:
             engine.backward(loss_fn(engine(x), y))
             engine.step()
         finally:
-            bucketing.Bucketed.gather_together, gather_together.TOGETHER_NUMEL = issue, 1 << 20
+            bucketing.gather_together, gather_together.TOGETHER_NUMEL = issue, 1 << 20
         assert len(buckets) >= 4 and max(alive) == 2, (sub_groups, alive)
         assert all(b.untyped_storage().nbytes() == 0 for b in buckets)  # all landed by the step's end
 

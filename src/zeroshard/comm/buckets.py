@@ -10,13 +10,17 @@ size); every reduction averages (divides by the ranks) exactly once, before it i
 one rank the mean is the buffer itself: nothing is staged where the reduction dtype holds its values
 exactly, and the buffer goes into its destination in one pass (a copy, converting, or an add).
 
-`Bucketed` is mixed into comm.Comm, whose counted collectives (all_gather, reduce_scatter,
-all_reduce) these methods call: only collectives.py calls torch.distributed.
+These are functions over a `Comm` (collectives.py), whose counted collectives (all_gather,
+reduce_scatter, all_reduce) they call: only collectives.py calls torch.distributed.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .collectives import Comm
 
 
 Pending = list  # [(Work, then: Callable | None, the tensor kept alive)]: issued, not yet complete
@@ -44,121 +48,118 @@ def _exact_in(full: torch.Tensor, dtype: torch.dtype) -> bool:
     return dtype == full.dtype or dtype == torch.float32 and full.dtype in (torch.bfloat16, torch.float16)
 
 
-class Bucketed:
-    """The bucketed collectives of Comm (see the module docstring)."""
+def gather_shards(comm: Comm, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
+                  async_op: bool = False) -> Pending:
+    """full = every rank's shard, one column block [a, b) of the shards per collective.
+    Returns what is still in flight (nothing unless async_op)."""
+    pending: Pending = []
+    if len(chunks) == 1:
+        pending.append((comm.all_gather(full, shard, async_op), None, shard))
+    else:
+        rows = full.view(comm.world_size, -1)
+        for i, (a, b) in enumerate(chunks):
+            bucket = torch.empty(comm.world_size * (b - a), dtype=full.dtype, device=full.device)
+            comm.staged(bucket)
+            work = comm.all_gather(bucket, shard[a:b].contiguous(), async_op, bucket=i)
+            pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
+                bucket.view(comm.world_size, b - a)), bucket))
+    if not async_op:
+        complete(pending)
+    return pending
 
-    def gather_shards(self, full: torch.Tensor, shard: torch.Tensor, chunks: list[tuple[int, int]],
-                      async_op: bool = False) -> Pending:
-        """full = every rank's shard, one column block [a, b) of the shards per collective.
-        Returns what is still in flight (nothing unless async_op)."""
-        pending: Pending = []
-        if len(chunks) == 1:
-            pending.append((self.all_gather(full, shard, async_op), None, shard))
-        else:
-            rows = full.view(self.world_size, -1)
-            for i, (a, b) in enumerate(chunks):
-                bucket = torch.empty(self.world_size * (b - a), dtype=full.dtype, device=full.device)
-                self._staged(bucket)
-                work = self.all_gather(bucket, shard[a:b].contiguous(), async_op, bucket=i)
-                pending.append((work, lambda a=a, b=b, bucket=bucket: rows[:, a:b].copy_(
-                    bucket.view(self.world_size, b - a)), bucket))
-        if not async_op:
-            complete(pending)
+def gather_together(comm: Comm, fulls: list[torch.Tensor], shards: list[torch.Tensor],
+                    async_op: bool = False) -> Pending:
+    """fulls[i] = every rank's shards[i], for several buffers in one all-gather: the shards go
+    end to end into one bucket (rank by rank), copied out into each `full` once it lands."""
+    n, sizes = comm.world_size, [s.numel() for s in shards]
+    send = torch.cat(shards)
+    bucket = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
+    comm.staged(bucket)
+
+    def copy_out() -> None:
+        rows, start = bucket.view(n, -1), 0
+        for full, size in zip(fulls, sizes):
+            full.view(n, -1).copy_(rows[:, start:start + size])
+            start += size
+        # Freed now, not when the last reference goes: the backend's work object may hold both
+        # a moment after wait() returns (gloo's worker thread), and a memory census would see them.
+        for staging in (bucket, send):
+            staging.untyped_storage().resize_(0)
+    pending: Pending = [(comm.all_gather(bucket, send, async_op), copy_out, bucket)]
+    if not async_op:
+        complete(pending)
+    return pending
+
+def reduce_scatter_mean(comm: Comm, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
+                        dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
+    """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
+    pending: Pending = []
+    n = comm.world_size
+    if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
+        comm.reduce_alone([(out, full, accumulate)], dtype, calls=len(chunks))
         return pending
+    if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
+        _mean_part(full, n)
+        # In place when `out` aliases its slice of `full`, which stays referenced until done.
+        pending.append((comm.reduce_scatter(out, full, async_op), None, full))
+    else:
+        rows = full.view(n, -1)
+        for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
+            bucket = _mean_part(rows[:, a:b].to(dtype, copy=True).contiguous().view(-1), n)
+            comm.staged(bucket)
+            target = out[a:b]
+            if accumulate or target.dtype != dtype:  # reduced apart, then added or converted
+                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
+                then = (lambda t=target, r=reduced: t.add_(r)) if accumulate else \
+                    (lambda t=target, r=reduced: t.copy_(r))
+            else:  # straight into its place: no second buffer, no copy
+                reduced, then = target, None
+            pending.append((comm.reduce_scatter(reduced, bucket, async_op, bucket=i), then, bucket))
+    if not async_op:
+        complete(pending)
+    return pending
 
-    def gather_together(self, fulls: list[torch.Tensor], shards: list[torch.Tensor],
-                        async_op: bool = False) -> Pending:
-        """fulls[i] = every rank's shards[i], for several buffers in one all-gather: the shards go
-        end to end into one bucket (rank by rank), copied out into each `full` once it lands."""
-        n, sizes = self.world_size, [s.numel() for s in shards]
-        send = torch.cat(shards)
-        bucket = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
-        self._staged(bucket)
+def reduce_scatter_together(comm: Comm, outs: list[torch.Tensor], fulls: list[torch.Tensor],
+                            accumulate: list[bool], async_op: bool = False) -> Pending:
+    """outs[i] (+)= this rank's shard of the mean over ranks of fulls[i], for several buffers in
+    one collective: every rank's part of each buffer goes end to end into one bucket (the same
+    division and sum as one buffer at a time, so the same bits)."""
+    n = comm.world_size
+    if n == 1:  # (one dtype throughout: see flat_grad.reducible_together)
+        comm.reduce_alone(list(zip(outs, fulls, accumulate)), fulls[0].dtype)
+        return []
+    bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
+    comm.staged(bucket)
+    reduced = torch.empty(bucket.numel() // n, dtype=bucket.dtype, device=bucket.device)
 
-        def copy_out() -> None:
-            rows, start = bucket.view(n, -1), 0
-            for full, size in zip(fulls, sizes):
-                full.view(n, -1).copy_(rows[:, start:start + size])
-                start += size
-            # Freed now, not when the last reference goes: the backend's work object may hold both
-            # a moment after wait() returns (gloo's worker thread), and a memory census would see them.
-            for staging in (bucket, send):
-                staging.untyped_storage().resize_(0)
-        pending: Pending = [(self.all_gather(bucket, send, async_op), copy_out, bucket)]
-        if not async_op:
-            complete(pending)
-        return pending
+    def copy_out() -> None:
+        start = 0
+        for out, add in zip(outs, accumulate):
+            part = reduced[start:start + out.numel()]
+            out.add_(part) if add else out.copy_(part)
+            start += out.numel()
+    pending: Pending = [(comm.reduce_scatter(reduced, bucket, async_op), copy_out, bucket)]
+    if not async_op:
+        complete(pending)
+    return pending
 
-    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
-                            dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
-        """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
-        pending: Pending = []
-        n = self.world_size
-        if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
-            self.reduce_alone([(out, full, accumulate)], dtype, calls=len(chunks))
-            return pending
-        if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
-            _mean_part(full, n)
-            # In place when `out` aliases its slice of `full`, which stays referenced until done.
-            pending.append((self.reduce_scatter(out, full, async_op), None, full))
-        else:
-            rows = full.view(n, -1)
-            for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
-                bucket = _mean_part(rows[:, a:b].to(dtype, copy=True).contiguous().view(-1), n)
-                self._staged(bucket)
-                target = out[a:b]
-                if accumulate or target.dtype != dtype:  # reduced apart, then added or converted
-                    reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-                    then = (lambda t=target, r=reduced: t.add_(r)) if accumulate else \
-                        (lambda t=target, r=reduced: t.copy_(r))
-                else:  # straight into its place: no second buffer, no copy
-                    reduced, then = target, None
-                pending.append((self.reduce_scatter(reduced, bucket, async_op, bucket=i), then, bucket))
-        if not async_op:
-            complete(pending)
-        return pending
-
-    def reduce_scatter_together(self, outs: list[torch.Tensor], fulls: list[torch.Tensor],
-                                accumulate: list[bool], async_op: bool = False) -> Pending:
-        """outs[i] (+)= this rank's shard of the mean over ranks of fulls[i], for several buffers in
-        one collective: every rank's part of each buffer goes end to end into one bucket (the same
-        division and sum as one buffer at a time, so the same bits)."""
-        n = self.world_size
-        if n == 1:  # (one dtype throughout: see flat_grad.reducible_together)
-            self.reduce_alone(list(zip(outs, fulls, accumulate)), fulls[0].dtype)
-            return []
-        bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
-        self._staged(bucket)
-        reduced = torch.empty(bucket.numel() // n, dtype=bucket.dtype, device=bucket.device)
-
-        def copy_out() -> None:
-            start = 0
-            for out, add in zip(outs, accumulate):
-                part = reduced[start:start + out.numel()]
-                out.add_(part) if add else out.copy_(part)
-                start += out.numel()
-        pending: Pending = [(self.reduce_scatter(reduced, bucket, async_op), copy_out, bucket)]
-        if not async_op:
-            complete(pending)
-        return pending
-
-    def all_reduce_mean(self, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
-                        async_op: bool = False) -> Pending:
-        """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
-        pending: Pending = []
-        step = max(1, bucket_size)
-        wire = dtype
-        if self.world_size == 1 and _exact_in(full, dtype):
-            dtype = full.dtype  # (the buffer is its own mean: no converted copy, nothing copied back)
-        for a in range(0, full.numel(), step):
-            bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
-            if bucket.dtype != full.dtype:
-                self._staged(bucket)
-            _mean_part(bucket, self.world_size)
-            copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
-                if bucket.dtype != full.dtype else None
-            work = self.all_reduce(bucket, async_op, bucket=a // step, wire=wire)
-            pending.append((work, copy_back, bucket))
-        if not async_op:
-            complete(pending)
-        return pending
+def all_reduce_mean(comm: Comm, full: torch.Tensor, bucket_size: int, dtype: torch.dtype,
+                    async_op: bool = False) -> Pending:
+    """full = the mean over ranks of `full`, in buckets of `bucket_size`, reduced in `dtype`."""
+    pending: Pending = []
+    step = max(1, bucket_size)
+    wire = dtype
+    if comm.world_size == 1 and _exact_in(full, dtype):
+        dtype = full.dtype  # (the buffer is its own mean: no converted copy, nothing copied back)
+    for a in range(0, full.numel(), step):
+        bucket = full[a:a + step].to(dtype)  # a view when the dtypes agree
+        if bucket.dtype != full.dtype:
+            comm.staged(bucket)
+        _mean_part(bucket, comm.world_size)
+        copy_back = (lambda a=a, bucket=bucket: full[a:a + step].copy_(bucket)) \
+            if bucket.dtype != full.dtype else None
+        work = comm.all_reduce(bucket, async_op, bucket=a // step, wire=wire)
+        pending.append((work, copy_back, bucket))
+    if not async_op:
+        complete(pending)
+    return pending

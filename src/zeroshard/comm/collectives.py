@@ -1,8 +1,8 @@
-"""Collectives with accounting: the only module of zeroshard that calls torch.distributed collectives
-(torch.distributed.checkpoint's own, inside dcp.save/load, excepted).
+"""Collectives with accounting: with gloo.py, the only module of zeroshard that calls
+torch.distributed collectives (torch.distributed.checkpoint's own, inside dcp.save/load, excepted).
 
-Flat buffers travel through the bucketed collectives mixed in from buckets.py (constant-size
-buckets, a reduction dtype, `Pending` work), which call the counted ones here.
+Flat buffers travel through the bucketed collectives of buckets.py (constant-size buckets, a
+reduction dtype, `Pending` work), functions over a Comm that call the counted ones here.
 
 Bytes follow the paper's convention, so totals compare directly with 2Ψ / 3Ψ: an all-reduce counts
 twice its tensor (it is a reduce-scatter plus an all-gather), an all-gather counts its full output, a
@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ..common.states import temporarily
-from .buckets import Bucketed
 from .devices import group_device
 from .gloo import all_to_all_reduce_scatter
 from .watch import Watch
@@ -70,26 +69,27 @@ def _fresh() -> dict[Kind, Counter]:
     return {kind: Counter() for kind in Kind}
 
 
-class Comm(Bucketed):
+class Comm:
     """Collectives over one process group, counted by kind. Sums are divided by callers, not here."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None = None, watch: Watch | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        """Over `group` (default: the world). `watch`: an engine's (fingerprints, checks, bounded
+        waits: watch.py), else None. `tp_group` (tensor parallelism, parallel/mesh.py): the ranks
+        holding the other shards of this rank's model; only what must agree across the model
+        crosses it (norms, verdicts, values of replicated parameters)."""
+        self.group, self.watch, self.tp_group = group, watch, tp_group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.total = _fresh()
         self.window = _fresh()
         self.largest_bucket = 0  # bytes of the largest staging buffer built (constant: the CB claim)
         self.last_step = _fresh()
         self._counting_step = True
-        self.watch: Watch | None = None  # an engine's: fingerprints, checks, bounded waits (watch.py)
         self.label = ""  # what the next collectives are about ("unit 3 (h.2)"), for the fingerprints
-        # Tensor parallelism (parallel/mesh.py): the group of ranks holding the other shards of this
-        # rank's model. Only what must agree across the model crosses it: norms, verdicts, values
-        # of replicated parameters. None without a tp mesh.
-        self.tp_group: dist.ProcessGroup | None = None
-        self.tp_rank, self.tp_size = 0, 1
 
     def _count(self, kind: Kind, nbytes: int, calls: int = 1) -> None:
         targets = [self.total, self.window] if self._counting_step else [self.total]
@@ -145,7 +145,7 @@ class Comm(Bucketed):
             return self.reduce_alone([(output, full, False)], full.dtype)
         self._count(Kind.REDUCE_SCATTER, full.numel() * full.element_size())
         if self.device.type == "cpu":  # gloo: see gloo.SumOnArrival; the receive buffer is one more `full`
-            self._staged(full)
+            self.staged(full)
             return self._issue("reduce_scatter", full, bucket, async_op, lambda a: all_to_all_reduce_scatter(
                 output, full, self.group, self.world_size, a))
         return self._issue("reduce_scatter", full, bucket, async_op,
@@ -185,7 +185,8 @@ class Comm(Bucketed):
         if self.tp_group is not None and self.tp_size > 1:
             dist.all_reduce(tensor, op=op, group=self.tp_group)
 
-    def _staged(self, bucket: torch.Tensor) -> None:
+    def staged(self, bucket: torch.Tensor) -> None:
+        """Note a staging buffer built for a collective (largest_bucket: the CB claim)."""
         self.largest_bucket = max(self.largest_bucket, bucket.numel() * bucket.element_size())
 
     def all_gather_objects(self, obj: object) -> list[object]:

@@ -1,12 +1,11 @@
 """Helpers for training scripts over the ranks (the app uses these, not torch.distributed): this
 rank and the world's size, a logged mean, small objects from every rank. Each is a collective
-through a Comm of its own, watched by the latest world engine's Watch where there is one, so a
-helper some ranks call while the others wait in the engine's collectives is named within seconds."""
+through a Comm of its own, watched by the latest world engine's Watch where there is one
+(Watch.lend), so a helper some ranks call while the others wait in the engine's collectives is
+named within seconds."""
 from __future__ import annotations
 
 import os
-import weakref
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,24 +13,10 @@ import torch.distributed as dist
 from .collectives import Comm
 from .watch import Watch
 
-_lent_watch: Callable[[], Optional[Watch]] = lambda: None  # the latest world engine's
-
-
-def lend_watch(comm: Comm) -> None:
-    """An engine over the whole world lends its watch to the helpers below: a helper some ranks
-    call while the others wait in the engine's collectives (a save on rank 0 only, then a logged
-    mean) is then named within seconds, as the engine's own calls are, not after the timeout."""
-    global _lent_watch
-    if comm.watch is not None and comm.tp_size == 1 and comm.world_size == dist.get_world_size():
-        _lent_watch = weakref.ref(comm.watch)
-
 
 def _helper_comm(group: dist.ProcessGroup | None) -> Comm:
-    comm = Comm(group)
-    watch = _lent_watch()
-    if group is None and watch is not None and watch.world_size == comm.world_size:
-        comm.watch = watch
-    return comm
+    """A Comm for one helper call, watched by the latest world engine's Watch (the world only)."""
+    return Comm(group, watch=Watch.lent(dist.get_world_size()) if group is None else None)
 
 
 def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:

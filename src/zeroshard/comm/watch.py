@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import time
+import weakref
 import zlib
 from collections import deque
 from dataclasses import astuple
@@ -59,6 +60,12 @@ class DivergenceError(RuntimeError):
 class Watch:
     """One engine's collective history, its checks and its diagnosis."""
 
+    # The watch of the latest engine over the whole world, lent to the script helpers
+    # (over_ranks.py: zeroshard.mean_over_ranks, gather_objects): a helper some ranks call while the
+    # others wait in the engine's collectives (a save on rank 0 only, then a logged mean) is then
+    # named within seconds, as the engine's own calls are, not after the timeout. Held weakly.
+    _lent: "weakref.ref[Watch] | None" = None
+
     def __init__(self, rank: int, world_size: int, timeout: float, every: int, on_cuda: bool,
                  space: str = "") -> None:
         """space: keeps apart the store keys of groups that share one store (each tp rank's dp group)."""
@@ -76,6 +83,16 @@ class Watch:
         self.prefix = f"zeroshard/{restart}/{_instances}/{space}"
         self.store = default_store()
         tell_peers_at_exit(self)
+
+    def lend(self) -> None:
+        """Lend this watch to the script helpers (see `_lent`): an engine over the whole world does."""
+        Watch._lent = weakref.ref(self)
+
+    @staticmethod
+    def lent(world_size: int) -> "Watch | None":
+        """The lent watch, if its engine is alive and spans `world_size` ranks."""
+        watch = Watch._lent() if Watch._lent is not None else None
+        return watch if watch is not None and watch.world_size == world_size else None
 
     def record(self, kind: str, label: str, bucket: int, numel: int, dtype: Any) -> None:
         c = self.clock

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..comm import buckets
 from ..comm.buckets import Pending, complete
 from ..common.states import move
 from ..parallel.dtensor import laid_out
@@ -179,12 +180,14 @@ class FlatGrad:
         self._grad_will_change()
         with self.comm.about(self.label):
             if not self.policy.shard_optimizer:
-                self.inflight += self.comm.all_reduce_mean(full, self.buckets.reduce, dtype, async_op)
+                self.inflight += buckets.all_reduce_mean(self.comm, full, self.buckets.reduce, dtype,
+                                                         async_op)
             else:
                 accumulate = self._accumulating()
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
                 out = self._reduced_shard(overwritten=not accumulate)
-                self.inflight += self.comm.reduce_scatter_mean(out, full, chunks, dtype, accumulate, async_op)
+                self.inflight += buckets.reduce_scatter_mean(self.comm, out, full, chunks, dtype, accumulate,
+                                                             async_op)
         self._reduce_issued()
 
     def _reduce_issued(self) -> None:
@@ -242,9 +245,9 @@ class FlatGrad:
         with self.comm.about(self.label):
             if self.policy.shard_optimizer:
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
-                self.comm.reduce_scatter_mean(self.grad_shard, late, chunks, dtype, accumulate=True)
+                buckets.reduce_scatter_mean(self.comm, self.grad_shard, late, chunks, dtype, accumulate=True)
             else:
-                self.comm.all_reduce_mean(late, self.buckets.reduce, dtype)
+                buckets.all_reduce_mean(self.comm, late, self.buckets.reduce, dtype)
                 self.grad_full.add_(late)
         self._late = None
         self._set_grad_state(GradState.REDUCED)
@@ -290,6 +293,6 @@ def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
     comm = flats[-1].comm
     with comm.about(" + ".join(f.label for f in flats)):
         shards = [f._reduced_shard(not add) for f, add in zip(flats, accumulate)]
-        flats[-1].inflight += comm.reduce_scatter_together(shards, fulls, accumulate, async_op)
+        flats[-1].inflight += buckets.reduce_scatter_together(comm, shards, fulls, accumulate, async_op)
     for f in flats:
         f._reduce_issued()

@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from ..comm import buckets
 from ..comm.buckets import Pending, complete
 from ..comm.collectives import Comm
 from ..common.states import move
@@ -227,7 +228,7 @@ class FlatParam(FlatGrad):
     def _all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Pending:
         chunks = self.layout.shard_chunks(self.buckets.gather)
         with self.comm.about(self.label):
-            return self.comm.gather_shards(full, shard, chunks, async_op)
+            return buckets.gather_shards(self.comm, full, shard, chunks, async_op)
 
     def gathered_params(self) -> list[tuple[Slot, torch.Tensor]]:
         """(slot, value) of every parameter (its local shard under tp), viewing one new gathered copy

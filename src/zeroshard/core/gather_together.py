@@ -5,7 +5,7 @@ its syscalls), and on a machine with as many busy cores as ranks that cost is pa
 A model of small units (the CPU benchmarks' GPT: 0.2M elements a block) then spends more on the
 fixed costs than on the bytes. Buffers that are due at the same moment (the first units of a
 forward; every buffer's post-step gather at stages 1-2) therefore travel together, end to end in
-one bucket (comm.gather_together), when they are small.
+one bucket (comm/buckets.gather_together), when they are small.
 
 Invariant: a run sent together holds at most TOGETHER_NUMEL elements (and at most the
 allgather_bucket_size), so the bucket and the copies in and out of it stay constant-size: a larger
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import buckets
 from ..comm.buckets import Pending, complete
 from .flat_param import FlatParam, ParamState
 
@@ -58,7 +59,7 @@ def gather_flats(flats: list[FlatParam], landing: list[Pending] | None = None) -
                 complete(landing.pop(0))  # its buffers stay GATHERING; their gather() finds it landed
         shards = [f.outgoing_shard() for f in run]
         with torch.no_grad(), run[0].comm.about(" + ".join(f.label for f in run)):
-            pending = run[0].comm.gather_together([f.full for f in run], shards, async_op=True)
+            pending = buckets.gather_together(run[0].comm, [f.full for f in run], shards, async_op=True)
         for f in run:
             f.mark_gathering(pending)
         if landing is not None:

@@ -17,6 +17,8 @@ Design notes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -32,11 +34,23 @@ from .optim import has_user_step_hooks
 from .precision import LossScaler
 
 
-def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm, scaler: LossScaler,
-                 max_norm: float, norm_is_sharded: bool, step: int, sub_group_size: int,
-                 delayed: Copier | None = None,
-                 after_update: Callable[[], None] = lambda: None,
-                 guard: NonFiniteGuard | None = None) -> float:
+@dataclass(frozen=True)
+class StepInputs:
+    """What the optimizer step works with, fixed at initialize (the engine builds it once)."""
+
+    flats: list[FlatParam]  # every buffer (the step takes the trainable ones)
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    scaler: LossScaler
+    max_norm: float  # gradient_clipping; 0: none
+    norm_is_sharded: bool  # stages 1-3: each rank holds a shard of the gradient (the norm is summed)
+    sub_group_size: int
+    delayed: Copier | None = None  # zeroshard.delayed_param_update: the copier whose worker runs it
+    after_update: Callable[[], None] = lambda: None  # after a real update (the lr scheduler)
+    guard: NonFiniteGuard | None = None  # bf16/fp32: non-finite gradients raise or skip
+
+
+def sharded_step(inputs: StepInputs, step: int) -> float:
     """Unscale, clip by the global norm, skip on overflow, update, write back; `after_update` runs
     once the update is done (not on a skipped step). Returns the global gradient norm, measured at
     every step as DeepSpeed and torch DDP under Trainer measure it (logged as grad_norm), clipping
@@ -54,13 +68,13 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
     Without a loss scaler, `guard` (nonfinite.py) turns a non-finite norm (or loss) into an error
     or a skipped step; with one, an overflow skips the step and lowers the scale.
     """
-    trainable = [f for f in flats if f.trainable]
-    guard = None if scaler.enabled else guard
-    squares = global_squared_norm(trainable, comm, norm_is_sharded, guard)
-    # (A guard means no loss scaler: bf16/fp32. See the design notes for the rest.)
-    if guard is not None and delayed is None and decides_on_device(optimizer, trainable, squares.device):
-        return _step_deciding_on_device(trainable, optimizer, squares, max_norm, step, sub_group_size,
-                                        after_update, guard)
+    trainable = [f for f in inputs.flats if f.trainable]
+    scaler, delayed = inputs.scaler, inputs.delayed
+    guard = None if scaler.enabled else inputs.guard  # (a guard means no loss scaler: bf16/fp32)
+    squares = global_squared_norm(trainable, inputs.comm, inputs.norm_is_sharded, guard)
+    if guard is not None and delayed is None and \
+            decides_on_device(inputs.optimizer, trainable, squares.device):  # see the design notes
+        return _step_deciding_on_device(inputs, trainable, squares, guard, step)
     norm = squares.sqrt().item() / scaler.scale
     nonfinite = not math.isfinite(norm)
     overflow = scaler.enabled and nonfinite
@@ -84,34 +98,34 @@ def sharded_step(flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm:
             return norm
         guard.end_cycle()
     factor = 1.0 / scaler.scale
-    if max_norm > 0:
-        factor *= min(1.0, max_norm / (norm + 1e-6))
+    if inputs.max_norm > 0:
+        factor *= min(1.0, inputs.max_norm / (norm + 1e-6))
+    update = partial(_update, trainable, inputs.optimizer, factor, inputs.sub_group_size)
     if delayed is None:
-        _update(trainable, optimizer, factor, sub_group_size, write_back=True)
-        after_update()
+        update(write_back=True)
+        inputs.after_update()
     else:
-        delayed.start_update(lambda: _update(trainable, optimizer, factor, sub_group_size, False),
-                             then=after_update)
+        delayed.start_update(lambda: update(write_back=False), then=inputs.after_update)
     return norm
 
 
-def _step_deciding_on_device(trainable: list[FlatParam], optimizer: torch.optim.Optimizer,
-                             squares: torch.Tensor, max_norm: float, step: int, sub_group_size: int,
-                             after_update: Callable[[], None], guard: NonFiniteGuard) -> float:
+def _step_deciding_on_device(inputs: StepInputs, trainable: list[FlatParam], squares: torch.Tensor,
+                             guard: NonFiniteGuard, step: int) -> float:
     """sharded_step without a host sync before the update (bf16/fp32, fused Adam): the optimizer
     skips on the device where the norm is not finite, and the host looks afterwards."""
     norm_t = squares.sqrt()
     found_inf = (~torch.isfinite(norm_t)).float()
     norm_later = _read_later(norm_t)
     factor: float | torch.Tensor = 1.0
-    if max_norm > 0:  # as clip_grad_norm_: fp32, clamped to 1; x1 where the step is skipped, so
-        clip = (max_norm / (norm_t + 1e-6)).clamp(max=1.0)  # a skipped step's fp32 gradient is kept
+    if inputs.max_norm > 0:  # as clip_grad_norm_: fp32, clamped to 1; x1 where the step is skipped,
+        clip = (inputs.max_norm / (norm_t + 1e-6)).clamp(max=1.0)  # so its fp32 gradient is kept
         factor = torch.where(found_inf > 0, 1.0, clip)
     for f in trainable:
         f.fetch_grad()
+    optimizer = inputs.optimizer
     optimizer.found_inf = found_inf  # read by the fused step, as GradScaler sets it
     try:
-        _update(trainable, optimizer, factor, sub_group_size, write_back=True)
+        _update(trainable, optimizer, factor, inputs.sub_group_size, write_back=True)
     finally:
         del optimizer.found_inf
     norm = norm_later()
@@ -119,7 +133,7 @@ def _step_deciding_on_device(trainable: list[FlatParam], optimizer: torch.optim.
         guard.handle(trainable, step)  # raises, or counts the skip; the device skipped the update
         return norm
     guard.end_cycle()
-    after_update()
+    inputs.after_update()
     return norm
 
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from enum import Enum
+from functools import partial
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
-from ..comm.devices import check_placement, move_buffers
-from ..comm.over_ranks import lend_watch
+from ..comm.devices import check_placement, group_device, move_buffers
 from ..comm.watch import Watch
 from ..common.states import move
 from ..config import Config
@@ -32,13 +33,13 @@ from ..core.precision import LossScaler, Precision, convert_buffers
 from ..core.prefetch import UnitOrder, gathering_limits
 from ..core.reduce import GradientReducer
 from ..core.schedules import scheduler_factory
-from ..core.step import sharded_step
+from ..core.step import StepInputs, sharded_step
 from ..core.units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
 from ..offload import nvme
-from ..offload.host import Copier
+from ..offload.host import Copier, host_empty
 from ..parallel.activations import CheckpointStore, checkpoint_units
 from ..parallel.dtensor import point
-from ..parallel.mesh import Axes, attach_tp
+from ..parallel.mesh import Axes, check_parallelized
 from .checks import check_model, check_module_type, verify_same_on_every_rank, verify_same_optimizer
 from .compat import EngineCompat
 from .state import EngineState
@@ -64,16 +65,17 @@ class Engine(EngineState, EngineCompat):
     (Checkpoints, exports and measurements: state.EngineState; DeepSpeed's conveniences and
     pointers for nn.Module's names: compat.EngineCompat.)"""
 
-    def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, comm: Comm,
-                 param_groups: list[dict] | None = None, lr_scheduler: Any = None,
-                 axes: Axes | None = None) -> None:
+    def __init__(self, module: nn.Module, optimizer: OptimizerSpec, config: Config, axes: Axes | None = None,
+                 param_groups: list[dict] | None = None, lr_scheduler: Any = None) -> None:
+        """Over axes.dp_group (default: the world), with the model split over axes.tp_mesh if given
+        (see zeroshard.initialize, which is how an engine is made)."""
+        axes = axes or Axes(None, None)
         check_module_type(module)
-        check_placement(module, comm.device)  # local and alike on every rank: before any collective
-        attach_tp(comm, module, axes or Axes(comm.group, None))  # likewise: a bad mesh fails everywhere
-        comm.watch = Watch(comm.rank, comm.world_size, config.collective_timeout, config.check_collectives,
-                           on_cuda=comm.device.type == "cuda",  # from the first collective on
-                           space=f"tp{comm.tp_rank}/" if comm.tp_size > 1 else "")
-        lend_watch(comm)  # zeroshard.mean_over_ranks and gather_objects are watched with it
+        check_placement(module, group_device(axes.dp_group))  # local, alike on every rank: before any
+        check_parallelized(module, axes)  # collective (a bad mesh fails everywhere)
+        comm = Comm(axes.dp_group, _watch(axes, config), axes.tp_group)  # watched from the first collective
+        if axes.tp_size == 1 and comm.world_size == dist.get_world_size():
+            comm.watch.lend()  # zeroshard.mean_over_ranks and gather_objects are watched with it
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
@@ -95,8 +97,6 @@ class Engine(EngineState, EngineCompat):
         module, config, comm = self.module, self.config, self.comm
         self.policy = StagePolicy.for_stage(config.stage)
         self.precision = Precision.from_config(config)
-        offloads = self.precision.offload or self.precision.offload_params
-        self.copier = Copier(comm.device, config.delayed_param_update) if offloads else None  # host<->device
         self.scaler = LossScaler(config.scaler, report=comm.rank == 0)
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
         options, group_of = resolve_groups(module, param_groups)
@@ -105,8 +105,10 @@ class Engine(EngineState, EngineCompat):
         stand_ins = [{"params": [nn.Parameter(torch.zeros(1, device=home))], **o} for o in options]
         probe = build_optimizer(optimizer, config, stand_ins, guarded=False)
         verify_same_optimizer(comm, probe)  # each rank would update its shard with its own options
-        if self.copier is not None:  # disk offload: its checks, then its directories (nvme/)
-            self.copier.disk = nvme.open_store(config, comm, module, probe, self.copier.host_empty)
+        self.copier: Copier | None = None  # host<->device copies (offload)
+        if self.precision.offload or self.precision.offload_params:  # disk offload: its checks, then its
+            disk = nvme.open_store(config, comm, module, probe, partial(host_empty, comm.device))  # files
+            self.copier = Copier(comm.device, config.delayed_param_update, disk)
         lr_scheduler = scheduler_factory(lr_scheduler, config.scheduler)
         materialize_(deferred_non_parameters(module), module)  # buffers are replicated: all at once
         # Parameters move to the group's device unit by unit, as their flat buffers are built.
@@ -127,6 +129,10 @@ class Engine(EngineState, EngineCompat):
         # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        delayed = self.copier if config.delayed_param_update else None
+        self.step_inputs = StepInputs(self.flats, self.optimizer, comm, self.scaler, config.gradient_clipping,
+                                      self.policy.shard_optimizer, config.zero.sub_group_size, delayed,
+                                      self._after_update, self.nonfinite)
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         z = config.zero
         limits = gathering_limits(z.stage3_prefetch_bucket_size, z.stage3_max_reuse_distance,
@@ -279,11 +285,8 @@ class Engine(EngineState, EngineCompat):
         for flat in self.flats:
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
-        delayed, skipped = self.copier if self.config.delayed_param_update else None, self.skipped_steps
-        self.last_grad_norm = sharded_step(self.flats, self.optimizer, self.comm, self.scaler,
-                                           self.config.gradient_clipping, self.policy.shard_optimizer,
-                                           self.global_steps, self.config.zero.sub_group_size, delayed,
-                                           self._after_update, self.nonfinite)
+        skipped = self.skipped_steps
+        self.last_grad_norm = sharded_step(self.step_inputs, self.global_steps)
         self.step_applied = self.skipped_steps == skipped  # (begun, with the delayed update)
         for flat in self.flats:
             flat.zero_grad()
@@ -297,3 +300,12 @@ class Engine(EngineState, EngineCompat):
     def _after_update(self) -> None:
         if self.lr_scheduler is not None:  # (only real updates step it: not a skipped fp16 step)
             self.lr_scheduler.step()
+
+
+def _watch(axes: Axes, config: Config) -> Watch:
+    """The engine's collective history, checks and bounded waits (comm/watch.py), over dp; each tp
+    rank's dp group keeps its store keys apart."""
+    group = axes.dp_group
+    return Watch(dist.get_rank(group), dist.get_world_size(group), config.collective_timeout,
+                 config.check_collectives, on_cuda=group_device(group).type == "cuda",
+                 space=f"tp{axes.tp_rank}/" if axes.tp_size > 1 else "")

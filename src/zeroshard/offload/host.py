@@ -37,12 +37,18 @@ from typing import Any, Callable
 
 import torch
 
+def host_empty(device: torch.device, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+    """A host tensor, pinned if asked and there is a GPU (`device`) to copy to (pinning speeds only that)."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and device.type == "cuda")
+
+
 class Copier:
     """One engine's host<->device copies: the side stream (CUDA), pinned allocation, and the
     delayed parameter update's worker thread, which the host gradient buffers must wait for."""
 
-    def __init__(self, device: torch.device, delayed: bool = False) -> None:
-        """delayed: the delayed parameter update is on (the host step overlaps the next backward)."""
+    def __init__(self, device: torch.device, delayed: bool = False, disk: Any = None) -> None:
+        """delayed: the delayed parameter update is on (the host step overlaps the next backward).
+        disk: the rank's nvme.DiskStore with disk offload (the master and shards rest in its files)."""
         self.device = device
         self.one_memory = device.type == "cpu" and not delayed  # no copies needed: see the notes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -51,7 +57,7 @@ class Copier:
         self._then: Callable[[], None] = lambda: None
         self._error: BaseException | None = None
         self.unwritten = False  # an update is done (or in flight) that the parameters lack
-        self.disk = None  # nvme.DiskStore with disk offload: the master/shards rest in its files
+        self.disk = disk
         self._files = 0
 
     # ---- where offloaded tensors rest: host memory, or files (disk offload) -------------------
@@ -99,8 +105,7 @@ class Copier:
             self.disk.close()
 
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
-        """A host tensor, pinned if asked and there is a GPU to copy to (pinning speeds only that)."""
-        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and self.device.type == "cuda")
+        return host_empty(self.device, numel, dtype, pin)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
         """dst <- src, on the side stream where there is one. Both must stay alive and unchanged

@@ -12,8 +12,6 @@ every rank instead of hanging some of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -22,8 +20,6 @@ from torch.distributed.tensor import DTensor
 from ..config import ConfigError
 from .dtensor import split_over_tp
 
-if TYPE_CHECKING:
-    from ..comm.collectives import Comm
 
 DIMS = ("dp", "tp")
 _FIX = "build it with init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\"))"
@@ -105,9 +101,3 @@ def check_heads(model: nn.Module, tp: int) -> None:
             if isinstance(heads, int) and heads % tp:
                 raise ConfigError(f"tp = {tp} does not divide the model's {key} = {heads}: each tp rank "
                                   f"must hold whole heads; choose a tp size that divides {heads}")
-
-
-def attach_tp(comm: "Comm", model: nn.Module, axes: Axes) -> None:
-    """Check the model against the axes, then let `comm` (over dp) know its tp group."""
-    check_parallelized(model, axes)
-    comm.tp_group, comm.tp_rank, comm.tp_size = axes.tp_group, axes.tp_rank, axes.tp_size
