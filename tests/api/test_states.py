@@ -58,3 +58,37 @@ def test_states_follow_the_step(stage, overlap):
     assert _states(engine) == (TrainingState.IDLE, CyclePhase.ACCUMULATING, {GradState.EMPTY})
     with pytest.raises(StateError, match="gradient cannot go from EMPTY to HELD"):
         engine.flats[0]._set_grad_state(GradState.HELD)
+
+
+def test_modes_are_states_too():
+    """no_sync() is the reducer's Sync state, gathered_parameters() the units' Edits, the delayed
+    update the copier's Update: each moves through its table and back."""
+    from zeroshard.core.guards import Edits
+    from zeroshard.core.reduce import Sync
+    from zeroshard.offload.host import Copier, Update
+    x, y = rank_batch(0, 1)
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(TinyGPT(), lambda p: torch.optim.SGD(p, lr=0.1),
+                                  {"zero_optimization": {"stage": 3}})
+    assert engine.reducer.sync is Sync.REDUCE
+    with engine.no_sync():
+        with engine.no_sync():  # nested: stays LOCAL
+            assert engine.reducer.sync is Sync.LOCAL
+        assert engine.reducer.sync is Sync.LOCAL
+        engine.backward(loss_fn(engine(x), y))
+    assert engine.reducer.sync is Sync.REDUCE
+    for modifier, inside in ((None, Edits.READ_ONLY), (0, Edits.TAKEN)):
+        with engine.gathered_parameters(modifier_rank=modifier):
+            assert {u.edits for u in engine.units} == {inside}
+        assert {u.edits for u in engine.units} == {Edits.NONE}
+    engine.units[0].set_edits(Edits.READ_ONLY)
+    with pytest.raises(StateError, match="cannot go from READ_ONLY to TAKEN"):
+        engine.units[0].set_edits(Edits.TAKEN)
+    engine.units[0].set_edits(Edits.NONE)
+    copier = Copier(torch.device("cpu"), delayed=True)
+    copier.start_update(lambda: None, then=lambda: None)
+    assert copier.update_state is Update.RUNNING
+    copier.finish_update()
+    assert copier.update_state is Update.UNWRITTEN and copier.unwritten
+    copier.written()
+    assert copier.update_state is Update.IDLE

@@ -1,16 +1,16 @@
 """The gradient side of a flat buffer: how gradients arrive, are reduced and reach the optimizer.
 
-A trainable buffer's gradient lives in `grad_full` (full size, in the compute dtype) while it
-accumulates, and in `grad_shard` (this rank's slice, in the accumulation dtype) once reduced:
-- every parameter's gradient is added into `grad_full` as its post-accumulate-grad hook fires (at
+A trainable buffer's gradient lives in `grads.full` (full size, in the compute dtype) while it
+accumulates, and in `grads.shard` (this rank's slice, in the accumulation dtype) once reduced:
+- every parameter's gradient is added into `grads.full` as its post-accumulate-grad hook fires (at
   stages 2-3 a first gradient is copied into an unfilled buffer instead, and what none reached is
   zeroed before the buffer is read), and `param.grad` is dropped, so no second copy ever lives;
-- stage 0 all-reduces `grad_full` (`grad_shard` is its slice); stages 1-3 reduce-scatter it into
-  `grad_shard`; stages 2-3 then free `grad_full`, so between backwards only the shard remains;
+- stage 0 all-reduces `grads.full` (`grads.shard` is its slice); stages 1-3 reduce-scatter it into
+  `grads.shard`; stages 2-3 then free `grads.full`, so between backwards only the shard remains;
 - a buffer is reduced exactly once per backward (stages 2-3) or per step (stages 0-1); a later
   backward's gradients are reduced on their own and added (`ACCUMULATING_MORE`), never summed
   with a reduced gradient before reducing, which would count it N times;
-- `grad_version` changes whenever the reduced gradient does: offload_optimizer's copy to the
+- `grads.version` changes whenever the reduced gradient does: offload_optimizer's copy to the
   host is redone if it went down before the gradient was final.
 
 `FlatGrad` is mixed into flat_param.FlatParam, whose constructor sets what these methods read (the
@@ -18,6 +18,7 @@ layout, policy, precision, comm, buckets, `full`, `master`, `host`) and calls `_
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
@@ -39,11 +40,11 @@ class GradState(Enum):
     """What a trainable buffer's gradient holds since the last step."""
 
     EMPTY = "empty"                # nothing since the last step
-    ACCUMULATING = "accumulating"  # gradients collect in `grad_full`; nothing reduced since the last step
+    ACCUMULATING = "accumulating"  # gradients collect in `grads.full`; nothing reduced since the last step
     REDUCED = "reduced"            # reduced and up to date: in this backward (stages 2-3) or this step (0-1)
     HELD = "held"                  # stages 2-3: the reduced sum of earlier backwards, not yet this one's
     ACCUMULATING_MORE = "accumulating more"  # a reduced gradient exists and this backward's gradients
-    # collect to be reduced and added: in `grad_full` at stages 2-3, in `_late` at stages 0-1
+    # collect to be reduced and added: in `grads.full` at stages 2-3, in `grads.late` at stages 0-1
 
 
 _GRAD_MOVES = {
@@ -64,26 +65,35 @@ _AFTER_A_GRADIENT = {
 }
 
 
+@dataclass
+class GradData:
+    """What a buffer's gradient holds, beside its GradState (which says what of it is current)."""
+
+    # The full-size accumulator (stages 2-3: a temporary, freed once reduced), and this rank's reduced
+    # slice (stages 2-3: from the first reduction after a step until the step; 0-1: a view of `full`).
+    full: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
+    late: torch.Tensor | None = None   # stages 0-1, ACCUMULATING_MORE: gradients after this step's reduction
+    pending: set[int] = field(default_factory=set)    # parameters that have not reported in this backward
+    unwritten: set[int] = field(default_factory=set)  # stages 2-3: parameters with no value in `full` yet
+    inflight: Pending = field(default_factory=list)   # reductions issued and not yet complete (overlap_comm)
+    version: int = 0  # bumped by every change to the reduced gradient (offload copies it to the host)
+
+
 class FlatGrad:
     """The gradient half of FlatParam (see the module docstring)."""
 
     def _init_grads(self) -> None:
-        self.grad_full: torch.Tensor | None = None   # full-size gradient accumulator
-        self.grad_shard: torch.Tensor | None = None  # this rank's reduced slice
         self.grad_state = GradState.EMPTY
-        self.grad_version = 0  # bumped by every change to the reduced gradient (offload copies it)
-        self._pending: set[int] = set()  # parameters that have not reported in this backward
-        self.inflight: Pending = []   # reductions issued and not yet complete (overlap_comm)
-        self._late: torch.Tensor | None = None  # stages 0-1, ACCUMULATING_MORE: gradients after the reduction
-        self._unwritten: set[int] = set()  # stages 2-3: parameters with no value in `grad_full` yet
+        self.grads = GradData()
 
     def _allocate_grads(self) -> None:
         """A trainable buffer's gradient storage at stages 0-1: the full buffer, lasting, with the
         shard its slice. (Stages 2-3 keep no gradient between steps: see _reduced_shard().)"""
         if not self.policy.shard_grads:
-            self.grad_full = torch.zeros_like(self.full)
-            self.grad_shard = self.grad_full[self.range[0]:self.range[1]]  # reduce-scattered in place
-        self._pending = set(self.slot_of)
+            self.grads.full = torch.zeros_like(self.full)
+            self.grads.shard = self.grads.full[self.range[0]:self.range[1]]  # reduce-scattered in place
+        self.grads.pending = set(self.slot_of)
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -91,14 +101,14 @@ class FlatGrad:
         return self.precision.accumulate_dtype if self.policy.shard_grads else self.full.dtype
 
     def _reduced_shard(self, overwritten: bool = False) -> torch.Tensor:
-        """`grad_shard`; at stages 2-3 allocated by the first reduction after a step and freed by
+        """`grads.shard`; at stages 2-3 allocated by the first reduction after a step and freed by
         zero_grad() (FSDP2's set_to_none): the forward, where activations peak, holds no gradient.
         `overwritten`: the caller writes every element (a reduction that does not add), so a new
         shard is left unfilled rather than zeroed first."""
-        if self.grad_shard is None:
+        if self.grads.shard is None:
             new = UNFILLED if overwritten else torch.zeros
-            self.grad_shard = new((self.layout.shard_numel,), dtype=self.grad_dtype, device=self.full.device)
-        return self.grad_shard
+            self.grads.shard = new((self.layout.shard_numel,), dtype=self.grad_dtype, device=self.full.device)
+        return self.grads.shard
 
     def _set_grad_state(self, new: GradState) -> None:
         self.grad_state = move(self.grad_state, new, _GRAD_MOVES, "a flat parameter's gradient")
@@ -115,86 +125,86 @@ class FlatGrad:
         if grad.is_sparse:
             raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
                              f"zeroshard reduces dense flat buffers: use sparse=False")
-        if self.grad_full is None:  # stages 2-3: a temporary, freed by reduce_grads()
-            self.grad_full = self._new_grad_full()
+        if self.grads.full is None:  # stages 2-3: a temporary, freed by reduce_grads()
+            self.grads.full = self._new_full()
         self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])
-        target = self.grad_full
+        target = self.grads.full
         if self.grad_state is GradState.ACCUMULATING_MORE and not self.policy.shard_grads:
-            if self._late is None:  # stages 0-1: a backward after this step's reduction
-                self._late = torch.zeros_like(self.full)
-            target = self._late
+            if self.grads.late is None:  # stages 0-1: a backward after this step's reduction
+                self.grads.late = torch.zeros_like(self.full)
+            target = self.grads.late
         spec = self._spec_by_id[id(param)]
         if spec is not None:  # a DTensor's gradient: its local shard, in the placement of the parameter
             if tuple(grad.placements) != spec.placements:
                 grad = grad.redistribute(placements=spec.placements)
             grad = laid_out(grad.to_local(), spec)
-        if id(param) in self._unwritten and target is self.grad_full:
+        if id(param) in self.grads.unwritten and target is self.grads.full:
             target[slot.span].copy_(grad.reshape(-1))
-            self._unwritten.discard(id(param))
+            self.grads.unwritten.discard(id(param))
         else:
             target[slot.span].add_(grad.reshape(-1))
         param.grad = None
-        self._pending.discard(id(param))
-        return not self._pending
+        self.grads.pending.discard(id(param))
+        return not self.grads.pending
 
-    def _new_grad_full(self) -> torch.Tensor:
+    def _new_full(self) -> torch.Tensor:
         """Stages 2-3: a new accumulator, left unfilled. Each parameter's first gradient is copied
         into its slot rather than added to zeros (a copy instead of a fill and an add, which reads the
-        zeros again); what no gradient reached is zeroed before the buffer is read (_filled_grad_full)."""
-        self._unwritten = set(self.slot_of)
+        zeros again); what no gradient reached is zeroed before the buffer is read (_filled_full)."""
+        self.grads.unwritten = set(self.slot_of)
         return UNFILLED(self.full.shape, dtype=self.full.dtype, device=self.full.device)
 
-    def _filled_grad_full(self) -> torch.Tensor:
-        """`grad_full` with every element defined: zeros in the padding and where no gradient came
+    def _filled_full(self) -> torch.Tensor:
+        """`grads.full` with every element defined: zeros in the padding and where no gradient came
         (all zeros, newly made, where none came at all)."""
-        full = self.grad_full
+        full = self.grads.full
         if full is None:
             return torch.zeros_like(self.full)
-        if len(self._unwritten) == len(self.slot_of):
+        if len(self.grads.unwritten) == len(self.slot_of):
             full.zero_()
         else:
             full[self.layout.numel:].zero_()
-            for i in self._unwritten:
+            for i in self.grads.unwritten:
                 full[self.slot_of[i].span].zero_()
-        self._unwritten = set()
+        self.grads.unwritten = set()
         return full
 
     def frozen_since_initialize(self) -> list[str]:
         """Names of this buffer's parameters that reported no gradient because they were frozen
         after initialize (requires_grad=False): the optimizer would still move them."""
-        if not self._pending:
+        if not self.grads.pending:
             return []
         frozen = {id(p) for p in self.params if not p.requires_grad}
-        return sorted(self.slot_of[i].names[0] for i in self._pending if i in frozen)
+        return sorted(self.slot_of[i].names[0] for i in self.grads.pending if i in frozen)
 
     @property
     def complete(self) -> bool:
         """Has every parameter reported its gradient in this backward?"""
-        return self.trainable and not self._pending
+        return self.trainable and not self.grads.pending
 
     def reduce_grads(self, async_op: bool = False) -> None:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
         With async_op the collectives are only issued; finish_reduce() completes them."""
-        full = self._filled_grad_full()
+        full = self._filled_full()
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
         with self.comm.about(self.label):
             if not self.policy.shard_optimizer:
-                self.inflight += buckets.all_reduce_mean(self.comm, full, self.buckets.reduce, dtype,
-                                                         async_op)
+                self.grads.inflight += buckets.all_reduce_mean(self.comm, full, self.buckets.reduce, dtype,
+                                                               async_op)
             else:
                 accumulate = self._accumulating()
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
                 out = self._reduced_shard(overwritten=not accumulate)
-                self.inflight += buckets.reduce_scatter_mean(self.comm, out, full, chunks, dtype, accumulate,
-                                                             async_op)
+                self.grads.inflight += buckets.reduce_scatter_mean(self.comm, out, full, chunks, dtype,
+                                                                   accumulate, async_op)
         self._reduce_issued()
 
     def _reduce_issued(self) -> None:
         if self.policy.shard_grads:
-            self.grad_full = None  # in-flight work keeps its own reference until it completes
+            self.grads.full = None  # in-flight work keeps its own reference until it completes
         self._set_grad_state(GradState.REDUCED)
-        self._pending = set(self.slot_of)
+        self.grads.pending = set(self.slot_of)
 
     def _accumulating(self) -> bool:
         """Stages 2-3: is a reduced sum of earlier backwards to be added to?"""
@@ -202,21 +212,21 @@ class FlatGrad:
 
     def finish_reduce(self) -> None:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
-        complete(self.inflight)
+        complete(self.grads.inflight)
 
     def _grad_will_change(self) -> None:
         if self.host is not None:
             self.host.before_device_grad_changes()  # a download may still be reading it
-        self.grad_version += 1
+        self.grads.version += 1
 
     def offload_grad(self) -> None:
         """offload_optimizer: start copying the reduced gradient to the host (its reductions done)."""
         if self.host is not None:
-            self.host.download(self.local_grad(), self.grad_version)
+            self.host.download(self.local_grad(), self.grads.version)
 
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
-        return self._reduced_shard() if self.policy.shard_optimizer else self.grad_full
+        return self._reduced_shard() if self.policy.shard_optimizer else self.grads.full
 
     def attach_master_grad(self, factor: float | torch.Tensor) -> None:
         """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
@@ -234,28 +244,28 @@ class FlatGrad:
     def fetch_grad(self) -> None:
         """offload_optimizer: wait until the host holds this step's reduced gradient."""
         if self.host is not None:
-            self.host.host_grad(self.local_grad(), self.grad_version)
+            self.host.host_grad(self.local_grad(), self.grads.version)
 
     def reduce_late(self) -> None:
         """Stages 0-1: average the gradients of a backward that came after this step's reduction
         (zeros if none arrived here) and add them to the reduced gradient."""
-        late = self._late if self._late is not None else torch.zeros_like(self.full)
+        late = self.grads.late if self.grads.late is not None else torch.zeros_like(self.full)
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
         with self.comm.about(self.label):
             if self.policy.shard_optimizer:
                 chunks = self.layout.shard_chunks(self.buckets.reduce)
-                buckets.reduce_scatter_mean(self.comm, self.grad_shard, late, chunks, dtype, accumulate=True)
+                buckets.reduce_scatter_mean(self.comm, self.grads.shard, late, chunks, dtype, accumulate=True)
             else:
                 buckets.all_reduce_mean(self.comm, late, self.buckets.reduce, dtype)
-                self.grad_full.add_(late)
-        self._late = None
+                self.grads.full.add_(late)
+        self.grads.late = None
         self._set_grad_state(GradState.REDUCED)
 
     def end_backward(self) -> None:
         """Forget which parameters reported during the backward that just ended. (At stages 0-1
         `reduced` lasts until the step: later backwards add to it through reduce_late.)"""
-        self._pending = set(self.slot_of) if self.trainable else set()
+        self.grads.pending = set(self.slot_of) if self.trainable else set()
         if self.policy.shard_grads and self.grad_state is GradState.REDUCED:
             self._set_grad_state(GradState.HELD)
 
@@ -263,11 +273,11 @@ class FlatGrad:
         if self.trainable:
             self._grad_will_change()
         if self.policy.shard_grads:
-            self.grad_shard = None  # freed (an offload download of it was waited for just above)
+            self.grads.shard = None  # freed (an offload download of it was waited for just above)
             if self.host is not None:
                 self.host.drop_device_grad()
-        elif self.grad_full is not None:
-            self.grad_full.zero_()
+        elif self.grads.full is not None:
+            self.grads.full.zero_()
         self._set_grad_state(GradState.EMPTY)
 
 
@@ -286,13 +296,13 @@ def reducible_together(flats: list[FlatGrad]) -> bool:
 def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
     """reduce_grads() of several buffers in one reduce-scatter (reducible_together). The last
     holds the work: completing it writes every buffer's shard (finish_backward completes all)."""
-    fulls = [f._filled_grad_full() for f in flats]
+    fulls = [f._filled_full() for f in flats]
     accumulate = [f._accumulating() for f in flats]
     for f in flats:
         f._grad_will_change()
     comm = flats[-1].comm
     with comm.about(" + ".join(f.label for f in flats)):
         shards = [f._reduced_shard(not add) for f, add in zip(flats, accumulate)]
-        flats[-1].inflight += buckets.reduce_scatter_together(comm, shards, fulls, accumulate, async_op)
+        flats[-1].grads.inflight += buckets.reduce_scatter_together(comm, shards, fulls, accumulate, async_op)
     for f in flats:
         f._reduce_issued()

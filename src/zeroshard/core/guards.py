@@ -15,6 +15,7 @@ The hooks hold weak references, so a dropped engine is freed.
 from __future__ import annotations
 
 import weakref
+from enum import Enum
 from typing import Callable, Protocol
 
 import torch
@@ -22,12 +23,24 @@ from torch import nn
 
 from .flat_param import FlatParam, ParamState
 
+class Edits(Enum):
+    """A unit inside engine.gathered_parameters() or not, and whether changes made there are kept."""
+
+    NONE = "outside gathered_parameters()"
+    READ_ONLY = "read only"  # inside, without modifier_rank: every change is undone on exit
+    TAKEN = "taken"          # inside, with modifier_rank: that rank's changes go into the training state
+
+
+EDITS_MOVES = {Edits.NONE: {Edits.READ_ONLY, Edits.TAKEN}, Edits.READ_ONLY: {Edits.NONE},
+               Edits.TAKEN: {Edits.NONE}}
+
+
 class Unit(Protocol):
     """What the hooks need of a unit (units.Unit; stated here so this module does not import it)."""
 
     module: nn.Module
     flats: list[FlatParam]
-    edits_taken: bool | None  # inside engine.gathered_parameters(): whether edits are taken
+    edits: Edits  # inside engine.gathered_parameters(), and whether edits are taken
 
     @property
     def complete(self) -> bool: ...
@@ -116,8 +129,8 @@ def guard_state_dict(unit: Unit) -> None:
 
 def _lost_load(unit: Unit) -> str | None:
     """Why a load_state_dict() into this unit's modules now would not last, or None."""
-    if unit.edits_taken is not None:
-        return None if unit.edits_taken else \
+    if unit.edits is not Edits.NONE:
+        return None if unit.edits is Edits.TAKEN else \
             "inside gathered_parameters() without modifier_rank, every change is undone on exit"
     for f in unit.flats:
         if f.state is not ParamState.GATHERED:

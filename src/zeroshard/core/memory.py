@@ -17,10 +17,10 @@ from .flat_param import FlatParam, ParamState
 def _inflight_bytes(flat: FlatParam) -> int:
     """Inputs kept alive only by reductions in flight (not the persistent stage 0-1 gradient), and
     the buffers they receive into (a gloo reduce-scatter's, comm._SumOnArrival)."""
-    persistent = None if flat.policy.shard_grads or flat.grad_full is None else \
-        flat.grad_full.untyped_storage().data_ptr()
+    persistent = None if flat.policy.shard_grads or flat.grads.full is None else \
+        flat.grads.full.untyped_storage().data_ptr()
     return sum((_nbytes(keep) if keep.untyped_storage().data_ptr() != persistent else 0)
-               + getattr(work, "staging_bytes", 0) for work, _, keep in flat.inflight)
+               + getattr(work, "staging_bytes", 0) for work, _, keep in flat.grads.inflight)
 
 
 def temporary_bytes(flat: FlatParam) -> int:
@@ -28,8 +28,8 @@ def temporary_bytes(flat: FlatParam) -> int:
     inputs of reductions in flight. (Sampled after every gather: kept to a few attribute reads.)"""
     gathered = flat.policy.shard_params and not flat.persistent and flat.state is not ParamState.SHARDED
     return (_nbytes(flat.full) if gathered else 0) \
-        + (_nbytes(flat.grad_full) if flat.policy.shard_grads else 0) \
-        + (_inflight_bytes(flat) if flat.inflight else 0)
+        + (_nbytes(flat.grads.full) if flat.policy.shard_grads else 0) \
+        + (_inflight_bytes(flat) if flat.grads.inflight else 0)
 
 
 def buffer_bytes(flat: FlatParam) -> dict[str, int]:
@@ -45,10 +45,10 @@ def buffer_bytes(flat: FlatParam) -> dict[str, int]:
     separate = flat.trainable and flat.precision.separate_master
     return {
         "params": params,
-        "grads": _nbytes(flat.grad_shard) if sharded_g else _nbytes(flat.grad_full),
+        "grads": _nbytes(flat.grads.shard) if sharded_g else _nbytes(flat.grads.full),
         # what a backward allocates and the step holds (stages 2-3 free it after the step)
         "grads_in_step": flat.layout.shard_numel * flat.grad_dtype.itemsize if sharded_g and flat.trainable
-        else _nbytes(flat.grad_full),
+        else _nbytes(flat.grads.full),
         "master": _nbytes(flat.master) if separate else 0,
         "temporary": temporary_bytes(flat),
         "transfer": flat.host.nbytes if flat.host is not None else 0,  # offload's host buffers

@@ -16,13 +16,15 @@ came.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import Callable, ContextManager
+from typing import Callable, Iterator
 
 from torch import nn
 
-from ..common.states import move, temporarily
+from ..common.states import move
 from .flat_grad import GradState, reduce_together, reducible_together
 from .flat_param import FlatParam
 from .policy import StagePolicy
@@ -45,6 +47,35 @@ _PHASE_MOVES = {
 }
 
 
+class Sync(Enum):
+    """Whether a backward's gradients are reduced (the default) or kept where they are (no_sync)."""
+
+    REDUCE = "reduce"
+    LOCAL = "local"    # inside no_sync(): accumulate locally; the first backward after it reduces
+
+
+_SYNC_MOVES = {Sync.REDUCE: {Sync.LOCAL}, Sync.LOCAL: {Sync.REDUCE}}
+
+
+@dataclass
+class CycleCounts:
+    """What one accumulation cycle (the backwards between two optimizer steps) has seen."""
+
+    arrived: int = 0      # gradients that arrived (a plain loss.backward()'s too)
+    backwards: int = 0    # engine.backward() calls (alike on every rank)
+    plain: bool = False   # gradients came from a plain loss.backward() (not engine.backward())
+
+
+@dataclass
+class BackwardCursor:
+    """Where the reductions of the backward in progress stand."""
+
+    next_group: int = 0                   # position in `groups` of the next group to reduce
+    reducing: FlatParam | None = None     # the last buffer whose reduction is in flight
+    ends_cycle: bool = False              # this backward ends an accumulation cycle
+    in_engine: bool = False               # inside engine.backward() (else a plain loss.backward())
+
+
 class GradientReducer:
     """Owns the reduction schedule of one engine's flat buffers."""
 
@@ -55,20 +86,15 @@ class GradientReducer:
         self.order = [f for f in reversed(self.flats) if f.trainable]
         self.on_complete = on_complete  # accounting: a full gradient is at its largest now
         self.phase = CyclePhase.ACCUMULATING
-        self._local_only = False        # inside no_sync(): accumulate, do not reduce
+        self.sync = Sync.REDUCE
         # Reduced together, always (never by what arrived: the collectives must not depend on the
         # data): the last two buffers where they allow it, the block whose backward ends the pass
         # and the root, whose embedding's gradient comes last. Each collective has a fixed cost on gloo.
         tail = self.order[-2:]
         self.groups = [[f] for f in self.order[:-2]] + ([tail] if reducible_together(tail) else
                                                         [[f] for f in tail])
-        self._next = 0                  # position in `groups` of the next to reduce
-        self._reducing: FlatParam | None = None  # the last buffer whose reduction is in flight
-        self._ends_cycle = False        # this backward ends an accumulation cycle
-        self.arrived = 0                # gradients that arrived this cycle (loss.backward() called directly)
-        self.backwards = 0              # engine.backward() calls this cycle (alike on every rank)
-        self._in_engine_backward = False
-        self.plain_backward = False     # gradients came from a loss.backward() since the last step
+        self.cycle = CycleCounts()
+        self.cursor = BackwardCursor()
         self._unit_of = {id(f): u for u in units for f in u.flats}
         self._install_hooks()
 
@@ -85,45 +111,50 @@ class GradientReducer:
     def _set_phase(self, new: CyclePhase) -> None:
         self.phase = move(self.phase, new, _PHASE_MOVES, "the gradient reduction cycle")
 
-    def no_sync(self) -> ContextManager[None]:
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate locally; the first backward after it reduces everything."""
-        return temporarily(self, "_local_only", True)
+        before = self.sync
+        self.sync = move(self.sync, Sync.LOCAL, _SYNC_MOVES, "the gradient reduction")
+        try:
+            yield
+        finally:
+            self.sync = move(self.sync, before, _SYNC_MOVES, "the gradient reduction")
 
     def begin_backward(self, ends_cycle: bool) -> None:
         """Stages 0-1 with overlap_comm: the backward that ends the accumulation cycle reduces its
         buffers as they complete, like DDP (otherwise step() reduces them). With offload_optimizer,
         that backward's reduced gradients start their way to the host as each reduction ends."""
-        self._ends_cycle = ends_cycle
-        self.backwards += 1
-        self._in_engine_backward = True
+        self.cursor.ends_cycle = ends_cycle
+        self.cycle.backwards += 1
+        self.cursor.in_engine = True
         if ends_cycle and self.overlap and not self.policy.shard_grads and \
                 self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
 
     def backward_failed(self) -> None:
         """engine.backward raised: gradients arriving from now on come from a plain backward."""
-        self._in_engine_backward = False
+        self.cursor.in_engine = False
 
     def end_step(self) -> None:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""
         self._set_phase(CyclePhase.ACCUMULATING)
-        self.arrived = self.backwards = 0
-        self.plain_backward = False
+        self.cycle = CycleCounts()
 
     @property
     def saw_backward(self) -> bool:
         """A backward ran this cycle: engine.backward() (counted alike on every rank, whatever
         gradients this rank's data produced), or a plain loss.backward() that produced gradients."""
-        return self.backwards > 0 or self.arrived > 0
+        return self.cycle.backwards > 0 or self.cycle.arrived > 0
 
     @property
     def _reducing_as_complete(self) -> bool:
-        return not self._local_only and (self.policy.shard_grads or self.phase is CyclePhase.REDUCING)
+        return self.sync is Sync.REDUCE and (self.policy.shard_grads or self.phase is CyclePhase.REDUCING)
 
     def on_grad(self, unit_index: int, flat_index: int, param: nn.Parameter) -> None:
         flat = self.units[unit_index].flats[flat_index]
-        self.arrived += 1
-        self.plain_backward |= not self._in_engine_backward
+        self.cycle.arrived += 1
+        self.cycle.plain |= not self.cursor.in_engine
         if flat.accumulate(param):
             self.on_complete()
             self.reduce_ready()
@@ -134,10 +165,12 @@ class GradientReducer:
         stop at the first group that is neither."""
         if not self._reducing_as_complete:
             return
-        while self._next < len(self.groups) and all(f.complete or self._unit_of[id(f)].progress is
-                                                    UnitProgress.PASSED for f in self.groups[self._next]):
-            self._reduce(self.groups[self._next], async_op=self.overlap)
-            self._next += 1
+        cursor = self.cursor
+        while cursor.next_group < len(self.groups) and all(
+                f.complete or self._unit_of[id(f)].progress is UnitProgress.PASSED
+                for f in self.groups[cursor.next_group]):
+            self._reduce(self.groups[cursor.next_group], async_op=self.overlap)
+            cursor.next_group += 1
 
     def _reduce(self, flats: list[FlatParam], async_op: bool) -> None:
         """Reduce one group of buffers: alone, or in one collective (see `groups`)."""
@@ -155,16 +188,17 @@ class GradientReducer:
         if not async_op:
             self._reduced(flat)
         else:  # at most two buffers in flight: communication overlaps the next unit's compute
-            if self._reducing is not None and self._reducing is not flat:
-                self._reducing.finish_reduce()
-                self._reduced(self._reducing)
-            self._reducing = flat
+            reducing = self.cursor.reducing
+            if reducing is not None and reducing is not flat:
+                reducing.finish_reduce()
+                self._reduced(reducing)
+            self.cursor.reducing = flat
         if self.policy.shard_params:
             self._unit_of[id(flat)].maybe_free()
 
     def _reduced(self, flat: FlatParam) -> None:
         """A reduction has ended: on the last backward before the step, the gradient is final."""
-        if self._ends_cycle and not self._local_only and flat.reduced:
+        if self.cursor.ends_cycle and self.sync is Sync.REDUCE and flat.reduced:
             flat.offload_grad()
 
     def finish_backward(self) -> None:
@@ -174,23 +208,21 @@ class GradientReducer:
         late = self.phase is CyclePhase.REDUCED
         reduced_now = self._reducing_as_complete
         if reduced_now:
-            for group in self.groups[self._next:]:
+            for group in self.groups[self.cursor.next_group:]:
                 self._reduce(group, async_op=False)  # nothing left to overlap with; memory stays flat
-        self._next = 0
         for flat in self.flats:
             flat.finish_reduce()
             self._reduced(flat)
         if self.phase is CyclePhase.REDUCING:
-            self._set_phase(CyclePhase.ACCUMULATING if self._local_only else CyclePhase.REDUCED)
-        if late and not self._local_only:  # stages 0-1: a backward after this cycle's reduction
+            self._set_phase(CyclePhase.ACCUMULATING if self.sync is Sync.LOCAL else CyclePhase.REDUCED)
+        if late and self.sync is Sync.REDUCE:  # stages 0-1: a backward after this cycle's reduction
             for flat in self.order:
                 flat.reduce_late()
         elif reduced_now:
             self._reduce_again()
         for flat in self.flats:
             flat.end_backward()
-        self._reducing = None
-        self._in_engine_backward = False
+        self.cursor = BackwardCursor(ends_cycle=self.cursor.ends_cycle)  # (read by a plain backward next)
         if frozen:
             raise RuntimeError(f"{frozen[:3]} frozen (requires_grad=False) after zeroshard.initialize(): the "
                                f"trainable parameters are fixed there, and the optimizer would still move a "

@@ -89,7 +89,7 @@ def sharded_step(inputs: StepInputs, step: int) -> float:
         delayed.finish_update()
         if delayed.unwritten:
             _write_back(trainable)
-            delayed.unwritten = False
+            delayed.written()
     if overflow:
         return norm
     if guard is not None:

@@ -24,8 +24,8 @@ from ..config import ConfigError
 from ..construct import materialize_
 from ..parallel.dtensor import split_over_tp
 from .flat_param import FlatParam, ParamState
-from .guards import (MODEL_PATCHES, _eager, gather_root_for_its_parts, guard_load_state_dict,
-                     guard_state_dict, refuse_if_engine_dropped)
+from .guards import (EDITS_MOVES, MODEL_PATCHES, Edits, _eager, gather_root_for_its_parts,
+                     guard_load_state_dict, guard_state_dict, refuse_if_engine_dropped)
 from .policy import StagePolicy
 
 logger = logging.getLogger("zeroshard")
@@ -159,13 +159,15 @@ class Unit:
         # Freeing during backward is only safe when no frozen buffer may still be needed later.
         self.free_when_reduced = not self.is_root and all(f.trainable for f in flats)
         self.progress = UnitProgress.RAN_FORWARD
-        # Inside engine.gathered_parameters(): whether edits are taken (modifier_rank); None outside.
-        self.edits_taken: bool | None = None
+        self.edits = Edits.NONE  # inside engine.gathered_parameters(): whether edits are kept
         # Elements this unit gathers (buffers kept gathered do not count): fixed at initialize.
         self.numel = sum(f.layout.padded_numel for f in flats if not f.persistent)
 
     def set_progress(self, new: UnitProgress) -> None:
         self.progress = move(self.progress, new, _PROGRESS_MOVES, f"unit '{self.name}'")
+
+    def set_edits(self, new: Edits) -> None:
+        self.edits = move(self.edits, new, EDITS_MOVES, f"unit '{self.name}'")
 
     def gather(self) -> None:
         for f in self.flats:
@@ -181,7 +183,7 @@ class Unit:
             f.prefetch()
 
     def free(self) -> None:
-        if self.edits_taken is not None:  # inside gathered_parameters(): a forward there (rank 0
+        if self.edits is not Edits.NONE:  # inside gathered_parameters(): a forward there (rank 0
             return                        # generating alone, say) gathers and frees nothing
         for f in self.flats:
             f.free()
@@ -216,7 +218,7 @@ class Unit:
             # the record steers every rank's prefetching, which must stay alike.
             if unit() is None or units() is None:
                 refuse_if_engine_dropped(module)
-            elif unit().edits_taken is None:
+            elif unit().edits is Edits.NONE:
                 units().before_forward(unit())
 
         def post_forward(module: nn.Module, args: object, output: object) -> None:

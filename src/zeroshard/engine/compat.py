@@ -51,7 +51,7 @@ class EngineCompat:
         gas = self.config.gradient_accumulation_steps
         if gas == 1 and not self.scaler.enabled:
             return
-        plain = torch.tensor(float(self.reducer.plain_backward), device=self.comm.device)
+        plain = torch.tensor(float(self.reducer.cycle.plain), device=self.comm.device)
         with self.comm.outside_step():
             self.comm.all_reduce(plain)
         if not plain.item():

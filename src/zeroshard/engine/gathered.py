@@ -27,6 +27,7 @@ import torch
 from ..comm.agree import first_error
 from ..comm.collectives import Comm
 from ..core.flat_param import FlatParam, ParamState
+from ..core.guards import Edits
 from ..core.units import Unit
 from ..offload.host import disk_store
 
@@ -72,7 +73,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
             f.full[slice(*f.owned_range())].clone() if modifier_rank is not None else None for f in flats]
     taken = False
     for unit in units:  # a module's load_state_dict() inside is taken too (core/guards.py)
-        unit.edits_taken = modifier_rank is not None
+        unit.set_edits(Edits.TAKEN if modifier_rank is not None else Edits.READ_ONLY)
     try:
         yield
         _refuse_replaced(flats, comm, modifier_rank)
@@ -81,7 +82,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
             taken = True
     finally:
         for unit in units:
-            unit.edits_taken = None
+            unit.set_edits(Edits.NONE)
         if not taken:  # read-only, or the block raised: every rank as it was
             with torch.no_grad():
                 for flat, before in zip(flats, seen):

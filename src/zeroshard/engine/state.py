@@ -135,7 +135,7 @@ class EngineState:
                 flat.finish_write_back()
         self.reducer.end_step()  # the loaded state starts a cycle: a step() needs a backward first
         if self.copier is not None:
-            self.copier.unwritten = False  # the parameters are the loaded master's
+            self.copier.written()  # the parameters are the loaded master's
         if load_module_only:
             torch.set_rng_state(rng[0])  # DeepSpeed's load_module_only loads the module alone
             if on_gpu:
@@ -211,7 +211,7 @@ class EngineState:
         # (After every gather: the flats with nothing temporary, most of them at stage 3, are passed
         # over by the cheapest test, or a model of many units would spend O(units) calls per gather.)
         now = sum(memory.temporary_bytes(f) for f in self.flats
-                  if f.state is not ParamState.SHARDED or f.grad_full is not None or f.inflight)
+                  if f.state is not ParamState.SHARDED or f.grads.full is not None or f.grads.inflight)
         self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:

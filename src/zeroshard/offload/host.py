@@ -33,13 +33,29 @@ Design notes.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
 from typing import Any, Callable
 
 import torch
 
+from ..common.states import move
+
 def host_empty(device: torch.device, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
     """A host tensor, pinned if asked and there is a GPU (`device`) to copy to (pinning speeds only that)."""
     return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin and device.type == "cuda")
+
+
+class Update(Enum):
+    """The delayed parameter update's progress (zeroshard.delayed_param_update)."""
+
+    IDLE = "idle"            # nothing to write: the parameters hold every update that succeeded
+    RUNNING = "running"      # an update runs on the worker thread
+    UNWRITTEN = "unwritten"  # an update has ended that the parameters lack
+    FAILED = "failed"        # the worker's update raised: its error waits for the next call that may raise
+
+
+_UPDATE_MOVES = {Update.IDLE: {Update.RUNNING}, Update.RUNNING: {Update.UNWRITTEN, Update.FAILED},
+                 Update.UNWRITTEN: {Update.IDLE, Update.RUNNING}, Update.FAILED: {Update.IDLE}}
 
 
 class Copier:
@@ -53,10 +69,10 @@ class Copier:
         self.one_memory = device.type == "cpu" and not delayed  # no copies needed: see the notes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._worker: ThreadPoolExecutor | None = None
-        self._update: Future | None = None
-        self._then: Callable[[], None] = lambda: None
-        self._error: BaseException | None = None
-        self.unwritten = False  # an update is done (or in flight) that the parameters lack
+        self.update_state = Update.IDLE
+        self._update: Future | None = None  # RUNNING: the worker's update
+        self._then: Callable[[], None] = lambda: None  # what follows it on the caller's thread
+        self._error: BaseException | None = None  # FAILED: the worker's error, until raised
         self.disk = disk
         self._files = 0
 
@@ -129,21 +145,39 @@ class Copier:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeroshard-update")
         self._update, self._then = self._worker.submit(update), then
-        self.unwritten = True  # the parameters have not seen this update yet
+        self._set_update_state(Update.RUNNING)  # the parameters lack it until it is written back
 
     def finish_update(self, raise_error: bool = True) -> None:
         """Wait for the update in flight, if any, and re-raise its error — or, with raise_error
         False (inside a backward hook, where raising on one rank would leave its peers waiting in
         collectives), keep the error for the next call that may raise (step(), a checkpoint)."""
-        update, self._update = self._update, None
-        if update is not None:
-            if update.exception() is None:
+        if self.update_state is Update.RUNNING:
+            error = self._update.exception()
+            self._update = None
+            if error is None:
+                self._set_update_state(Update.UNWRITTEN)
                 self._then()
             else:  # a half-updated master must not reach the parameters
-                self._error, self.unwritten = update.exception(), False
-        error, self._error = (self._error, None) if raise_error else (None, self._error)
-        if error is not None:
+                self._error = error
+                self._set_update_state(Update.FAILED)
+        if raise_error and self.update_state is Update.FAILED:
+            error, self._error = self._error, None
+            self._set_update_state(Update.IDLE)
             raise error
+
+    @property
+    def unwritten(self) -> bool:
+        """An update has ended that the parameters lack: write them back, then call written()."""
+        return self.update_state is Update.UNWRITTEN
+
+    def written(self) -> None:
+        """The parameters hold the master's values (written back, or loaded from a checkpoint)."""
+        if self.update_state is Update.UNWRITTEN:
+            self._set_update_state(Update.IDLE)
+
+    def _set_update_state(self, new: Update) -> None:
+        self.update_state = move(self.update_state, new, _UPDATE_MOVES, "the delayed parameter update")
+
 
 class HostCopies:
     """The host side of one trainable flat buffer under optimizer offload; see the module notes."""
