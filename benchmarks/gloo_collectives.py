@@ -2,7 +2,7 @@
 
 For a buffer of B bytes on N ranks (1 thread each), the median time of: all_reduce; all_gather_into_tensor;
 reduce_scatter_tensor; and all_to_all_single followed by the local sum of the N received slices (what
-comm.py issues as a reduce-scatter on a CPU group). The two reduce-scatters must agree with each other
+comm/gloo.py issues as a reduce-scatter on a CPU group). The two reduce-scatters must agree with each other
 exactly at N = 2 (one addition per element) and closely beyond; the script checks it.
 
     python benchmarks/gloo_collectives.py                 # 2 and 3 ranks, 3.3 MB and 0.66 MB

@@ -177,8 +177,8 @@ MUTATIONS = [
              (f"{ROB}::test_activation_checkpointing_at_every_stage",),
              "a recomputation inside backward (activation checkpointing) frees its unit like a forward"),
     Mutation("post-step-gather-not-awaited", "src/zeroshard/core/flat_param.py",
-             "        if self.state is ParamState.GATHERING and not self.gather_behind_forward:\n"
-             "            self.gather()\n", "        pass\n", (PARITY2,),
+             "        if self.state is ParamState.UNSHARDING and not self.gather_behind_forward:\n"
+             "            self.unshard()\n", "        pass\n", (PARITY2,),
              "the post-step all-gather (stages 1-2) is issued but the step never waits for it"),
     Mutation("stage3-keeps-units-after-forward", "src/zeroshard/core/prefetch.py",
              "        if i >= len(self.previous) or self.previous[i] is not unit:\n"

@@ -146,13 +146,13 @@ def _prefetch_limits(rank: int, world_size: int) -> None:
         engine.unit_order.keep_tail &= not name.startswith("CUDA's free tail")
         most, kept, most_back = [], [], []
         for b in model.blocks:  # blocks gathered (or in flight) while each block runs forward, backward
-            b.register_forward_pre_hook(lambda *_: most.append(sum(u.gathered for u in engine.units[1:])))
+            b.register_forward_pre_hook(lambda *_: most.append(sum(u.unsharded for u in engine.units[1:])))
             b.register_full_backward_pre_hook(
-                lambda *_: most_back.append(sum(u.gathered for u in engine.units[1:])))
+                lambda *_: most_back.append(sum(u.unsharded for u in engine.units[1:])))
         losses = []
         for _ in range(2):
             loss = loss_fn(engine(x), y)
-            loss.register_hook(lambda g: kept.append(sum(u.gathered for u in engine.units[1:])))
+            loss.register_hook(lambda g: kept.append(sum(u.unsharded for u in engine.units[1:])))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

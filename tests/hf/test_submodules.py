@@ -55,7 +55,7 @@ def _direct_calls(rank: int, world_size: int, directory: str) -> None:
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
         assert torch.equal(hidden, reference.model(input_ids=ids).last_hidden_state)
-    assert not root.gathered  # what the call gathered, it freed: no backward follows
+    assert not root.unsharded  # what the call gathered, it freed: no backward follows
     # inputs_embeds from the embedding called on its own, then a training step through the engine.
     loss = engine(inputs_embeds=model.get_input_embeddings()(ids), labels=ids).loss
     expected = reference(inputs_embeds=reference.get_input_embeddings()(ids), labels=ids).loss

@@ -125,7 +125,7 @@ class FlatGrad:
         if grad.is_sparse:
             raise ValueError(f"'{slot.names[0]}' got a sparse gradient (an embedding with sparse=True); "
                              f"zeroshard reduces dense flat buffers: use sparse=False")
-        if self.grads.full is None:  # stages 2-3: a temporary, freed by reduce_grads()
+        if self.grads.full is None:  # stages 2-3: a temporary, freed by reduce()
             self.grads.full = self._new_full()
         self._set_grad_state(_AFTER_A_GRADIENT[self.grad_state])
         target = self.grads.full
@@ -182,9 +182,9 @@ class FlatGrad:
         """Has every parameter reported its gradient in this backward?"""
         return self.trainable and not self.grads.pending
 
-    def reduce_grads(self, async_op: bool = False) -> None:
+    def reduce(self, async_op: bool = False) -> None:
         """Average the gradient over ranks: all-reduce (stage 0) or reduce-scatter into the shard.
-        With async_op the collectives are only issued; finish_reduce() completes them."""
+        With async_op the collectives are only issued; wait_reduce() completes them."""
         full = self._filled_full()
         dtype = self.precision.reduce_dtype
         self._grad_will_change()
@@ -210,41 +210,41 @@ class FlatGrad:
         """Stages 2-3: is a reduced sum of earlier backwards to be added to?"""
         return self.policy.shard_grads and self.grad_state in (GradState.HELD, GradState.ACCUMULATING_MORE)
 
-    def finish_reduce(self) -> None:
+    def wait_reduce(self) -> None:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
         complete(self.grads.inflight)
 
     def _grad_will_change(self) -> None:
         if self.host is not None:
-            self.host.before_device_grad_changes()  # a download may still be reading it
+            self.host.before_device_grad_changes()  # an offload may still be reading it
         self.grads.version += 1
 
     def offload_grad(self) -> None:
         """offload_optimizer: start copying the reduced gradient to the host (its reductions done)."""
         if self.host is not None:
-            self.host.download(self.local_grad(), self.grads.version)
+            self.host.offload(self.local_grad(), self.grads.version)
 
     def local_grad(self) -> torch.Tensor:
         """The reduced gradient of what this rank updates (all of it at stage 0)."""
         return self._reduced_shard() if self.policy.shard_optimizer else self.grads.full
 
-    def attach_master_grad(self, factor: float | torch.Tensor) -> None:
+    def set_step_grad(self, factor: float | torch.Tensor) -> None:
         """Give the optimizer `factor` x the fp32 gradient of `master` (unscaling and clipping in
         one multiply; a tensor `factor` is a device scalar): an alias of the reduced gradient where
         possible, else a temporary copy."""
-        grad = self.local_grad() if self.host is None else self.host.grad  # fetch_grad() filled it
+        grad = self.local_grad() if self.host is None else self.host.grad  # wait_offload() filled it
         if grad.dtype != torch.float32 or grad.device != self.master.device:
             grad = grad.to(self.master.device, torch.float32)
         scales = isinstance(factor, torch.Tensor) or factor != 1.0
         self.opt_param.grad = grad.mul_(factor) if scales else grad
 
-    def release_master_grad(self) -> None:
+    def clear_step_grad(self) -> None:
         self.opt_param.grad = None  # a copy, if one was made, is freed here
 
-    def fetch_grad(self) -> None:
+    def wait_offload(self) -> None:
         """offload_optimizer: wait until the host holds this step's reduced gradient."""
         if self.host is not None:
-            self.host.host_grad(self.local_grad(), self.grads.version)
+            self.host.wait_offload(self.local_grad(), self.grads.version)
 
     def reduce_late(self) -> None:
         """Stages 0-1: average the gradients of a backward that came after this step's reduction
@@ -273,7 +273,7 @@ class FlatGrad:
         if self.trainable:
             self._grad_will_change()
         if self.policy.shard_grads:
-            self.grads.shard = None  # freed (an offload download of it was waited for just above)
+            self.grads.shard = None  # freed (an offload of it was waited for just above)
             if self.host is not None:
                 self.host.drop_device_grad()
         elif self.grads.full is not None:
@@ -294,7 +294,7 @@ def reducible_together(flats: list[FlatGrad]) -> bool:
 
 
 def reduce_together(flats: list[FlatGrad], async_op: bool = False) -> None:
-    """reduce_grads() of several buffers in one reduce-scatter (reducible_together). The last
+    """reduce() of several buffers in one reduce-scatter (reducible_together). The last
     holds the work: completing it writes every buffer's shard (finish_backward completes all)."""
     fulls = [f._filled_full() for f in flats]
     accumulate = [f._accumulating() for f in flats]

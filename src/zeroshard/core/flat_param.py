@@ -36,15 +36,15 @@ from .precision import Precision
 
 class ParamState(Enum):
     SHARDED = "sharded"      # only the shard exists; module parameters are empty placeholders
-    GATHERING = "gathering"  # an all-gather into `full` is in flight (prefetch; after the step until
+    UNSHARDING = "unsharding"  # an all-gather into `full` is in flight (prefetch; after the step until
                              # it ends, or the next forward with defer_param_gather); placeholders
-    GATHERED = "gathered"    # `full` is allocated and current; module parameters view it
+    UNSHARDED = "unsharded"    # `full` is allocated and current; module parameters view it
 
 
 _PARAM_MOVES = {
-    ParamState.SHARDED: {ParamState.GATHERING},
-    ParamState.GATHERING: {ParamState.GATHERED, ParamState.SHARDED},
-    ParamState.GATHERED: {ParamState.SHARDED, ParamState.GATHERING},
+    ParamState.SHARDED: {ParamState.UNSHARDING},
+    ParamState.UNSHARDING: {ParamState.UNSHARDED, ParamState.SHARDED},
+    ParamState.UNSHARDED: {ParamState.SHARDED, ParamState.UNSHARDING},
 }
 
 
@@ -81,11 +81,12 @@ class FlatParam(FlatGrad):
         self.copier = copier
         self._host_read: "torch.cuda.Event | None" = None  # the last copy up of a host shard
         self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
-        self.state = ParamState.GATHERED
+        self.state = ParamState.UNSHARDED
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
         self._placeholder = Placeholders(self.full.dtype, self.full.device)  # a write into one is refused
         # Each parameter's view of `full`, made once: `full` keeps one storage, resized in place by
-        # free() and prefetch(), so the views stay valid (stage 3 points parameters at them each gather).
+        # reshard() and start_unshard(), so the views stay valid (stage 3 points parameters at them each
+        # unshard).
         self._views = [local_view(self.full[slot.span], slot.shape, spec)
                        for slot, spec in zip(self.layout.slots, self.specs)]
         self._point_params_at_full()
@@ -94,9 +95,9 @@ class FlatParam(FlatGrad):
         self._gathering: Pending = []  # an all-gather issued (a prefetch, or after the step)
         self._init_grads()
         if trainable:
-            self._init_trainable(owned)  # before free(): `owned` may share storage with `full`
+            self._init_trainable(owned)  # before reshard(): `owned` may share storage with `full`
         if not self.persistent:
-            self.free()
+            self.reshard()
 
     def _initial_values(self) -> torch.Tensor:
         """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
@@ -132,39 +133,39 @@ class FlatParam(FlatGrad):
 
     def refuse_replaced(self) -> None:
         """No parameter was replaced, nor a placeholder written (a replaced one is pointed back)."""
-        views = self._views if self.state is ParamState.GATHERED else None
+        views = self._views if self.state is ParamState.UNSHARDED else None
         self._placeholder.refuse_replaced(self.params, self.specs, views, self.layout.slots)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
 
-    def prefetch(self) -> None:
+    def start_unshard(self) -> None:
         """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
         if self.state is ParamState.SHARDED:
-            self.issue_gather()
+            self.issue_unshard()
 
-    def issue_gather(self) -> None:
-        """Issue the all-gather of `full`: left in flight (GATHERING), except a post-step gather
+    def issue_unshard(self) -> None:
+        """Issue the all-gather of `full`: left in flight (UNSHARDING), except a post-step gather
         through several buckets, which completes here, one at a time (in flight together, their
         buckets would add up to a second copy of the parameters), unless deferred."""
         shard = self.outgoing_shard()
         with torch.no_grad():
-            if self.state is ParamState.GATHERED and not self.gather_behind_forward and \
+            if self.state is ParamState.UNSHARDED and not self.gather_behind_forward and \
                     len(self.layout.shard_chunks(self.buckets.gather)) > 1:
                 self._all_gather(self.full, shard)
                 return
-            self.mark_gathering(self._all_gather(self.full, shard, async_op=True))
+            self.mark_unsharding(self._all_gather(self.full, shard, async_op=True))
 
     def outgoing_shard(self) -> torch.Tensor:
         """The shard a gather sends (a freed buffer first gets its storage back: a prefetch)."""
         return self._storage_back() if self.state is ParamState.SHARDED else self._shard_on_device()
 
-    def mark_gathering(self, pending: Pending) -> None:
-        """An all-gather into `full` is in flight: gather() completes it."""
+    def mark_unsharding(self, pending: Pending) -> None:
+        """An all-gather into `full` is in flight: unshard() completes it."""
         self._gathering = pending
-        if self.state is ParamState.GATHERED:  # stray reads fail loudly, not see half-written values
+        if self.state is ParamState.UNSHARDED:  # stray reads fail loudly, not see half-written values
             self._placeholder.point(self.params, self.specs)
-        self._set_state(ParamState.GATHERING)
+        self._set_state(ParamState.UNSHARDING)
 
     def _storage_back(self) -> torch.Tensor:
         """Give `full` its storage back for a gather; returns the shard to send."""
@@ -182,35 +183,35 @@ class FlatParam(FlatGrad):
     def _shard_on_device(self) -> torch.Tensor:
         """The shard, ready for a collective to read: a host shard is copied up into its own place
         in `full` (the all-gather then runs in place), as is the master cast to 16 bits where no
-        shard is kept; an uploaded update is waited for."""
+        shard is kept; a written-back update is waited for."""
         if self.shard is None:
             own = self.full[self.range[0]:self.range[1]]
             own.copy_(self.master)
             return own
         if self.shard_on_host:
             own = self.full[self.range[0]:self.range[1]]
-            self.copier.shard_up(own, self.shard)  # pinned: ordered on the compute stream, host free
+            self.copier.read_shard(own, self.shard)  # pinned: ordered on the compute stream, host free
             if own.is_cuda:  # the host must not write the shard until this copy has read it
                 self._host_read = torch.cuda.Event()
                 self._host_read.record()
             return own
         if self.host is not None:
-            self.host.before_device_read()
+            self.host.wait_write_back()
         return self.shard
 
-    def gather(self) -> None:
+    def unshard(self) -> None:
         """Make `full` current and point module parameters at it (a no-op where it is: always at
         stages 0-2, except after a step with gather_behind_forward)."""
-        if self.state is not ParamState.GATHERED:
-            self.prefetch()
+        if self.state is not ParamState.UNSHARDED:
+            self.start_unshard()
             with torch.no_grad():
                 complete(self._gathering)
         self.refuse_replaced()  # (after the collective: a rank refusing alone leaves no peer waiting)
-        if self.state is not ParamState.GATHERED:
+        if self.state is not ParamState.UNSHARDED:
             self._point_params_at_full()
-            self._set_state(ParamState.GATHERED)
+            self._set_state(ParamState.UNSHARDED)
 
-    def free(self) -> None:
+    def reshard(self) -> None:
         """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
         if self.persistent or self.state is ParamState.SHARDED:
             return
@@ -220,7 +221,7 @@ class FlatParam(FlatGrad):
         self.full.untyped_storage().resize_(0)
         self._set_state(ParamState.SHARDED)
 
-    def gather_into_full(self) -> None:
+    def unshard_again(self) -> None:
         """Refresh a `full` that is kept gathered (persistent) from the shards."""
         with torch.no_grad():
             self._all_gather(self.full, self.shard)
@@ -259,7 +260,7 @@ class FlatParam(FlatGrad):
             out = torch.empty(self.layout.padded_numel, dtype=owned.dtype, device=owned.device)
             self._all_gather(out, owned)
             return out
-        if self.state is ParamState.GATHERED:
+        if self.state is ParamState.UNSHARDED:
             return self.full.detach().clone()
         out = torch.empty(self.layout.padded_numel, dtype=self.full.dtype, device=self.full.device)
         self._all_gather(out, self.shard.to(out.device))
@@ -268,32 +269,32 @@ class FlatParam(FlatGrad):
     def write_back(self) -> None:
         """After the optimizer step: refresh the compute-dtype parameters from the master, then
         issue the all-gather where `full` is kept (stages 1-2, and stage-3 buffers kept gathered).
-        gather() completes it: the step does, once every buffer's is issued, so they pipeline and
+        unshard() completes it: the step does, once every buffer's is issued, so they pipeline and
         overlap the next sub-group's update (gather_together.write_back_together sends small
         buffers' as one); with gather_behind_forward, the next forward does."""
-        if self.refresh_from_master():
-            self.issue_gather()
+        if self.write_back_shard():
+            self.issue_unshard()
 
-    def refresh_from_master(self) -> bool:
+    def write_back_shard(self) -> bool:
         """Copy the master's new values into what the parameters are computed from (the shard, or
         `full` at stage 0). Returns whether `full` must then be all-gathered (write_back)."""
         updated = self.shard if self.policy.shard_optimizer else self.full
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
         torch.autograd.graph.increment_version(self.params)
-        if self.state is not ParamState.GATHERED:  # placeholders: this bump is no user's write
+        if self.state is not ParamState.UNSHARDED:  # placeholders: this bump is no user's write
             self._placeholder.note(self.params)
         with torch.no_grad():
             if self.master is not updated and self.host is not None and not self.shard_on_host:
-                self.host.upload(self.master, updated)  # by way of a pinned buffer, asynchronously
+                self.host.write_back(self.master, updated)  # by way of a pinned buffer, asynchronously
             elif self.master is not updated and self.shard_on_host:
                 self.await_host_read()
-                self.copier.shard_down(updated, self.master)  # host memory, or its file
+                self.copier.write_shard(updated, self.master)  # host memory, or its file
             elif self.master is not updated and updated is not None:  # (None: cast at the next gather)
                 updated.copy_(self.master)
         return self.policy.shard_optimizer and self.persistent
 
-    def finish_write_back(self) -> None:
+    def wait_write_back(self) -> None:
         """Complete the all-gather write_back() issued, unless the next forward is to."""
-        if self.state is ParamState.GATHERING and not self.gather_behind_forward:
-            self.gather()
+        if self.state is ParamState.UNSHARDING and not self.gather_behind_forward:
+            self.unshard()

@@ -43,38 +43,38 @@ def runs(flats: list[FlatParam]) -> list[list[FlatParam]]:
     return runs
 
 
-def gather_flats(flats: list[FlatParam], landing: list[Pending] | None = None) -> None:
+def unshard_flats(flats: list[FlatParam], in_flight: list[Pending] | None = None) -> None:
     """Issue the all-gathers of `flats` without waiting: those sharded (a prefetch) and those whose
     shard was just written back (the post-step gather of a buffer kept gathered). Each is left
-    GATHERING; gather() completes it (a run shares one Pending: whichever buffer is completed first
-    copies every buffer of the run out of the bucket). With `landing` (the runs still in flight from
+    UNSHARDING; unshard() completes it (a run shares one Pending: whichever buffer is completed first
+    copies every buffer of the run out of the bucket). With `in_flight` (the runs still in flight from
     earlier calls), the oldest run lands (copied out, its bucket freed) before a new one goes out
     whenever MOST_IN_FLIGHT are in flight, so that at most that many buckets exist at once."""
     for run in runs(flats):
         if len(run) == 1:
-            run[0].issue_gather()  # in place: no bucket
+            run[0].issue_unshard()  # in place: no bucket
             continue
-        while landing is not None and len(landing) >= MOST_IN_FLIGHT:
+        while in_flight is not None and len(in_flight) >= MOST_IN_FLIGHT:
             with torch.no_grad():
-                complete(landing.pop(0))  # its buffers stay GATHERING; their gather() finds it landed
+                complete(in_flight.pop(0))  # its buffers stay UNSHARDING; their unshard() finds it landed
         shards = [f.outgoing_shard() for f in run]
         with torch.no_grad(), run[0].comm.about(" + ".join(f.label for f in run)):
             pending = buckets.gather_together(run[0].comm, [f.full for f in run], shards, async_op=True)
         for f in run:
-            f.mark_gathering(pending)
-        if landing is not None:
-            landing.append(pending)
+            f.mark_unsharding(pending)
+        if in_flight is not None:
+            in_flight.append(pending)
 
 
 def prefetch_flats(flats: list[FlatParam]) -> None:
     """Issue the all-gathers of the sharded buffers among `flats` (stage 3's prefetch)."""
-    gather_flats([f for f in flats if f.state is ParamState.SHARDED])
+    unshard_flats([f for f in flats if f.state is ParamState.SHARDED])
 
 
-def write_back_together(flats: list[FlatParam], landing: list[Pending]) -> None:
+def write_back_together(flats: list[FlatParam], in_flight: list[Pending]) -> None:
     """FlatParam.write_back() for every buffer, their all-gathers issued together where small.
-    finish_write_back() (or, with gather_behind_forward, the next forward) completes them.
-    `landing`: the step's runs in flight, shared by its sub-groups' calls (a model of many small
+    wait_write_back() (or, with gather_behind_forward, the next forward) completes them.
+    `in_flight`: the step's runs in flight, shared by its sub-groups' calls (a model of many small
     buffers: MOST_IN_FLIGHT buckets at once, not a second copy of its parameters)."""
-    due = [f for f in flats if f.refresh_from_master()]
-    gather_flats(due, landing)
+    due = [f for f in flats if f.write_back_shard()]
+    unshard_flats(due, in_flight)

@@ -43,11 +43,11 @@ class Unit(Protocol):
     edits: Edits  # inside engine.gathered_parameters(), and whether edits are taken
 
     @property
-    def complete(self) -> bool: ...
+    def fully_unsharded(self) -> bool: ...
 
-    def gather(self) -> None: ...
+    def unshard(self) -> None: ...
 
-    def free(self) -> None: ...
+    def reshard(self) -> None: ...
 
 
 def _eager(hook: Callable) -> Callable:
@@ -88,12 +88,12 @@ def gather_root_for_its_parts(root: Unit) -> None:
             refuse_if_engine_dropped(module)
             gathered_here.append(False)  # (the post hook pops one per call)
             return
-        gathered_here.append(not unit().complete)
-        unit().gather()
+        gathered_here.append(not unit().fully_unsharded)
+        unit().unshard()
 
     def post(module: nn.Module, args: object, output: object) -> None:
         if unit() is not None and gathered_here.pop() and not torch.is_grad_enabled():
-            unit().free()
+            unit().reshard()
     for m in _modules_holding(root, only_sharded=True):
         if m is not root.module:
             m.register_forward_pre_hook(_eager(pre))
@@ -102,7 +102,7 @@ def gather_root_for_its_parts(root: Unit) -> None:
 
 def _sharded_now(unit: Unit | None) -> bool:
     """Does (live) `unit` hold placeholders now: a sharded buffer not gathered?"""
-    return unit is not None and any(f.state is not ParamState.GATHERED
+    return unit is not None and any(f.state is not ParamState.UNSHARDED
                                     for f in unit.flats if not f.persistent)
 
 
@@ -133,7 +133,7 @@ def _lost_load(unit: Unit) -> str | None:
         return None if unit.edits is Edits.TAKEN else \
             "inside gathered_parameters() without modifier_rank, every change is undone on exit"
     for f in unit.flats:
-        if f.state is not ParamState.GATHERED:
+        if f.state is not ParamState.UNSHARDED:
             return "its parameters are sharded (empty here)"
         if f.owned_values().untyped_storage().data_ptr() != f.full.untyped_storage().data_ptr():
             return ("training keeps them elsewhere (the fp32 master, a shard or a host copy), which it "

@@ -110,7 +110,7 @@ class UnitOrder:
             # next, after a step) go out as one collective: on gloo each has a fixed cost beside its bytes.
             upcoming = islice(self.previous, len(self.current), None)
             prefetch_together([unit] + self._to_prefetch(upcoming, self.prefetch_numel, unit))
-        unit.gather()
+        unit.unshard()
         self.on_gather()
 
     def keeps_for_backward(self, unit: Unit) -> bool:
@@ -150,7 +150,7 @@ class UnitOrder:
         stage3_max_live_parameters?"""
         if self._known_numel <= self.max_live_numel:
             return True  # everything gathered at once would fit
-        held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.gathered)
+        held = sum(u.numel for u in dict.fromkeys(self.current[:i]) if u.unsharded)
         return held + unit.numel + ahead <= self.max_live_numel
 
     def _read_previous(self) -> None:
@@ -176,11 +176,11 @@ class UnitOrder:
         rank issues them at the same point among the gathers whatever gradients its data produced."""
         at = None if unit.is_root else self._advance_to(unit)  # the root's hook fires first
         if self.enabled:
-            unit.prefetch()
+            unit.start_unshard()
         if at is not None:
             prefetch_together(self._to_prefetch(self.current[at - 1::-1] if at > 0 else [],
                                                 self.backward_numel))
-        unit.gather()
+        unit.unshard()
         self.on_gather()
 
     def _to_prefetch(self, upcoming: Iterable[Unit], window: Window,
@@ -195,13 +195,13 @@ class UnitOrder:
         live = 0  # counted only where the limit can bind: it walks every unit
         if self._known_numel > self.max_live_numel:
             live = sum(u.numel for u in dict.fromkeys(self.previous + self.current)
-                       if u.gathered or u is running)
+                       if u.unsharded or u is running)
         ahead, due = 0, []  # elements of the upcoming units gathered or in flight, counted in order
         for unit in _each_once(upcoming):
             if window is not None and ahead >= window:
                 break  # as DeepSpeed: fetch while below the limit (the last unit may overshoot)
             ahead += unit.numel
-            if not unit.gathered and unit is not running:
+            if not unit.unsharded and unit is not running:
                 live += unit.numel
                 if live > self.max_live_numel:
                     break
@@ -226,7 +226,7 @@ class UnitOrder:
                     later.set_progress(UnitProgress.PASSED)
                 self.on_passed()
                 for later in passed:
-                    later.maybe_free()
+                    later.maybe_reshard()
                 return i
         return None
 

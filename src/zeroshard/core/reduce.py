@@ -179,9 +179,9 @@ class GradientReducer:
             self._after_reduce(flats[-1], async_op)  # the last holds the work
             if self.policy.shard_params:
                 for flat in flats[:-1]:
-                    self._unit_of[id(flat)].maybe_free()
+                    self._unit_of[id(flat)].maybe_reshard()
             return
-        flats[0].reduce_grads(async_op=async_op)
+        flats[0].reduce(async_op=async_op)
         self._after_reduce(flats[0], async_op)
 
     def _after_reduce(self, flat: FlatParam, async_op: bool) -> None:
@@ -190,11 +190,11 @@ class GradientReducer:
         else:  # at most two buffers in flight: communication overlaps the next unit's compute
             reducing = self.cursor.reducing
             if reducing is not None and reducing is not flat:
-                reducing.finish_reduce()
+                reducing.wait_reduce()
                 self._reduced(reducing)
             self.cursor.reducing = flat
         if self.policy.shard_params:
-            self._unit_of[id(flat)].maybe_free()
+            self._unit_of[id(flat)].maybe_reshard()
 
     def _reduced(self, flat: FlatParam) -> None:
         """A reduction has ended: on the last backward before the step, the gradient is final."""
@@ -211,7 +211,7 @@ class GradientReducer:
             for group in self.groups[self.cursor.next_group:]:
                 self._reduce(group, async_op=False)  # nothing left to overlap with; memory stays flat
         for flat in self.flats:
-            flat.finish_reduce()
+            flat.wait_reduce()
             self._reduced(flat)
         if self.phase is CyclePhase.REDUCING:
             self._set_phase(CyclePhase.ACCUMULATING if self.sync is Sync.LOCAL else CyclePhase.REDUCED)
@@ -239,8 +239,8 @@ class GradientReducer:
         for flat in self.order:
             if flat.grad_state is GradState.ACCUMULATING_MORE:
                 if self.policy.shard_grads:
-                    flat.reduce_grads()  # added to the shard this backward already reduced into
-                    flat.finish_reduce()
+                    flat.reduce()  # added to the shard this backward already reduced into
+                    flat.wait_reduce()
                 else:
                     flat.reduce_late()
                 self._reduced(flat)

@@ -84,7 +84,7 @@ def sharded_step(inputs: StepInputs, step: int) -> float:
     # are this thread's). This also outlasts every gather of backward that read a host shard, so
     # the delayed write-back below may write the shards.
     for f in trainable:
-        f.fetch_grad()
+        f.wait_offload()
     if delayed is not None:
         delayed.finish_update()
         if delayed.unwritten:
@@ -121,7 +121,7 @@ def _step_deciding_on_device(inputs: StepInputs, trainable: list[FlatParam], squ
         clip = (inputs.max_norm / (norm_t + 1e-6)).clamp(max=1.0)  # so its fp32 gradient is kept
         factor = torch.where(found_inf > 0, 1.0, clip)
     for f in trainable:
-        f.fetch_grad()
+        f.wait_offload()
     optimizer = inputs.optimizer
     optimizer.found_inf = found_inf  # read by the fused step, as GradScaler sets it
     try:
@@ -202,23 +202,23 @@ def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor
     """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
     gradient copies alive at once), writing each back unless the caller does so later."""
     groups = stream_groups(sub_groups(trainable, sub_group_size), optimizer)  # disk offload: streamed
-    landing: list = []  # the post-step gathers in flight, over every sub-group
+    in_flight: list = []  # the post-step gathers in flight, over every sub-group
     try:
         for group in groups:
             for f in group:  # fp32 gradient copies for one sub-group at a time
-                f.attach_master_grad(factor)
+                f.set_step_grad(factor)
             with temporarily(optimizer, "_zeroshard_stepping", True):
                 optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
             for f in group:
-                f.release_master_grad()
+                f.clear_step_grad()
             if write_back:  # issues the post-step all-gathers (stages 1-2): in flight as we go on
-                write_back_together(group, landing)
+                write_back_together(group, in_flight)
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
         groups.close()
         for f in trainable:
-            f.release_master_grad()
+            f.clear_step_grad()
             if write_back:
-                f.finish_write_back()
+                f.wait_write_back()
 
 
 def _write_back(trainable: list[FlatParam]) -> None:
@@ -226,7 +226,7 @@ def _write_back(trainable: list[FlatParam]) -> None:
         write_back_together(trainable, [])
     finally:
         for f in trainable:
-            f.finish_write_back()
+            f.wait_write_back()
 
 
 def sub_groups(flats: list[FlatParam], size: int) -> list[list[FlatParam]]:

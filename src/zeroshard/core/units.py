@@ -169,38 +169,38 @@ class Unit:
     def set_edits(self, new: Edits) -> None:
         self.edits = move(self.edits, new, EDITS_MOVES, f"unit '{self.name}'")
 
-    def gather(self) -> None:
+    def unshard(self) -> None:
         for f in self.flats:
-            f.gather()
+            f.unshard()
 
     @property
-    def gathered(self) -> bool:
+    def unsharded(self) -> bool:
         """Gathered, or an all-gather in flight."""
         return any(f.state is not ParamState.SHARDED for f in self.flats if not f.persistent)
 
-    def prefetch(self) -> None:
+    def start_unshard(self) -> None:
         for f in self.flats:
-            f.prefetch()
+            f.start_unshard()
 
-    def free(self) -> None:
+    def reshard(self) -> None:
         if self.edits is not Edits.NONE:  # inside gathered_parameters(): a forward there (rank 0
             return                        # generating alone, say) gathers and frees nothing
         for f in self.flats:
-            f.free()
+            f.reshard()
 
-    def maybe_free(self) -> None:
+    def maybe_reshard(self) -> None:
         """Free during backward once every gradient is reduced *and* backward has moved past this
         unit: its gradients can be complete while its weights are still needed (a detached use)."""
         if self.free_when_reduced and self.progress is UnitProgress.PASSED and \
                 all(f.reduced for f in self.flats if f.trainable):
-            self.free()
+            self.reshard()
 
     def install_gather_hooks(self, units: list["Unit"]) -> None:
         """Stages 1-2 with defer_param_gather: every module owned by this unit (not by a unit inside
         it) waits for the unit's post-step all-gather before its forward, ahead of any user hook, and
         before its state_dict() or load_state_dict()."""
         unit = weakref.ref(self)
-        wait = _eager(lambda *_: unit() and unit().gather())  # (returns None: changes nothing)
+        wait = _eager(lambda *_: unit() and unit().unshard())  # (returns None: changes nothing)
         inner = {m for u in units if u is not self and not u.is_root for m in u.module.modules()}
         for m in self.module.modules():
             if m not in inner:
@@ -228,18 +228,18 @@ class Unit:
         self.module.register_forward_hook(_eager(post_forward))
 
     @property
-    def complete(self) -> bool:
+    def fully_unsharded(self) -> bool:
         """Every buffer gathered (none sharded, none in flight)."""
-        return all(f.state is ParamState.GATHERED for f in self.flats)
+        return all(f.state is ParamState.UNSHARDED for f in self.flats)
 
     def _post_forward(self, output: object, order: UnitVisitor) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation inside backward (activation checkpointing): keep parameters
         if not torch.is_grad_enabled():
-            self.free()  # no backward follows this forward (an earlier one re-gathers on its own)
+            self.reshard()  # no backward follows this forward (an earlier one re-gathers on its own)
             return
         if not self.is_root and not order.keeps_for_backward(self):
-            self.free()  # (a unit backward needs first, or soon, stays: it would be gathered right back)
+            self.reshard()  # (a unit backward needs first, or soon, stays: it would be gathered right back)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(

@@ -163,7 +163,7 @@ class Engine(EngineState, EngineCompat):
         self._finish_update()
         if not self.policy.shard_params:
             for flat in self.flats:
-                flat.gather()
+                flat.unshard()
 
     def _finish_update(self) -> None:
         if self.copier is not None:
@@ -249,12 +249,12 @@ class Engine(EngineState, EngineCompat):
 
     def _finish_backward(self) -> None:
         self.reducer.finish_backward()
-        self._free_units()
+        self._reshard_units()
 
-    def _free_units(self) -> None:
+    def _reshard_units(self) -> None:
         if self.policy.shard_params:
             for unit in self.units:
-                unit.free()
+                unit.reshard()
 
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
@@ -276,12 +276,12 @@ class Engine(EngineState, EngineCompat):
         self.micro_steps += 1
         if self.micro_steps % self.config.gradient_accumulation_steps:
             return
-        self._free_units()  # a unit gathered now (a forward without backward) would go stale
+        self._reshard_units()  # a unit gathered now (a forward without backward) would go stale
         self.wait_for_parameters()  # the optimizer is about to write into what they gather into
         if not self.policy.shard_grads:
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
-                    flat.reduce_grads()
+                    flat.reduce()
         for flat in self.flats:
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()

@@ -65,7 +65,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
                     modifier_rank: int | None) -> Iterator[None]:
     """Collective on entry and exit (see the module docstring)."""
     for unit in units:
-        unit.gather()  # a no-op where the buffer is kept gathered
+        unit.unshard()  # a no-op where the buffer is kept gathered
     # What each rank saw on entry: the whole buffer where it stays gathered after the block (edits
     # not taken must be undone there, or this rank would train on them alone), else the owned range
     # (stage 3 frees the buffer, and its edits with it; only the changes taken need it).
@@ -86,10 +86,10 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
         if not taken:  # read-only, or the block raised: every rank as it was
             with torch.no_grad():
                 for flat, before in zip(flats, seen):
-                    if flat.persistent and flat.state is ParamState.GATHERED:
+                    if flat.persistent and flat.state is ParamState.UNSHARDED:
                         flat.full.copy_(before)
         for unit in units:
-            unit.free()  # stage 3 only: buffers kept gathered stay
+            unit.reshard()  # stage 3 only: buffers kept gathered stay
 
 
 def _refuse_replaced(flats: list[FlatParam], comm: Comm, modifier_rank: int | None) -> None:
@@ -123,6 +123,6 @@ def _take_changes(flats: list[FlatParam], seen: list, comm: Comm, modifier_rank:
             if flat.trainable:
                 flat.write_back()  # the compute-dtype parameters from the master, as after a step
         for flat in flats:
-            flat.finish_write_back()
+            flat.wait_write_back()
         for store in {id(s): s for s in map(disk_store, flats) if s is not None}.values():
             store.cache.clear()  # frozen shards were written through their file maps: cached copies are stale

@@ -115,7 +115,7 @@ class EngineState:
         on_gpu = self.comm.device.type == "cuda"  # load_module_only keeps this run's random state:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.comm.device) if on_gpu else None) \
             if load_module_only else None
-        self._free_units()  # what is gathered now would shadow the loaded shards
+        self._reshard_units()  # what is gathered now would shadow the loaded shards
         self.wait_for_parameters()
         for flat in self.flats:
             flat.await_host_read()  # an offloaded shard is written in place
@@ -130,9 +130,9 @@ class EngineState:
                     if disk is not None:
                         disk.drop_pages([flat.master])  # ... whose pages go, one buffer at a time
                 elif flat.policy.shard_params and flat.persistent:
-                    flat.gather_into_full()
+                    flat.unshard_again()
             for flat in self.flats:
-                flat.finish_write_back()
+                flat.wait_write_back()
         self.reducer.end_step()  # the loaded state starts a cycle: a step() needs a backward first
         if self.copier is not None:
             self.copier.written()  # the parameters are the loaded master's

@@ -16,9 +16,9 @@ Design notes.
 - Copies run on one side stream, so a gradient's way down overlaps the rest of backward and a
   shard's way up overlaps the next sub-group's update. Each copy records an event, and each reader
   waits for its own copy only: the host before it reads `grad`, the compute stream before the
-  all-gather that reads an uploaded shard. The side stream first waits for the compute stream, so
+  all-gather that reads a written-back shard. The side stream first waits for the compute stream, so
   a copy never reads a value still being produced.
-- A gradient is downloaded as soon as its reduction ends on the backward that ends an accumulation
+- A gradient is offloaded as soon as its reduction ends on the backward that ends an accumulation
   cycle; `version` (bumped at every reduction) tells whether a later backward changed it since,
   so correctness never depends on when the early copy happened.
 - On a CPU process group host and device are one memory, so the host copies would only duplicate
@@ -100,7 +100,7 @@ class Copier:
         shard.copy_(values)
         return shard
 
-    def shard_up(self, own: torch.Tensor, shard: torch.Tensor) -> None:
+    def read_shard(self, own: torch.Tensor, shard: torch.Tensor) -> None:
         """own <- an offloaded shard (a file is read into it; host memory is copied, asynchronously
         from pinned memory)."""
         if self.disk is not None and self.disk.owns(shard):
@@ -108,7 +108,7 @@ class Copier:
         else:
             own.copy_(shard, non_blocking=True)
 
-    def shard_down(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+    def write_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         """An offloaded shard <- values (the updated master, in the shard's dtype)."""
         if self.disk is not None and self.disk.owns(shard):
             self.disk.write_shard(shard, values)
@@ -190,8 +190,8 @@ class HostCopies:
         self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
         self.staging = copier.host_empty(numel, param_dtype) if own and param_dtype is not None else None
         self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
-        self._downloaded: "torch.cuda.Event | None" = None
-        self._uploaded: "torch.cuda.Event | None" = None     # for the shard's next reader
+        self._offloaded: "torch.cuda.Event | None" = None     # the gradient's copy down, for the host
+        self._written_back: "torch.cuda.Event | None" = None     # for the shard's next reader
         self._staging_read: "torch.cuda.Event | None" = None  # for the next write to `staging`
 
     @property
@@ -201,7 +201,7 @@ class HostCopies:
             return 0
         return sum(t.numel() * t.element_size() for t in (self.grad, self.staging) if t is not None)
 
-    def download(self, device_grad: torch.Tensor, version: int) -> None:
+    def offload(self, device_grad: torch.Tensor, version: int) -> None:
         """Start copying the reduced gradient to the host, unless `grad` already holds this version."""
         if self.copier.one_memory:
             self.grad = device_grad
@@ -209,44 +209,44 @@ class HostCopies:
         if version == self._grad_version:
             return
         self.copier.finish_update(raise_error=False)  # the delayed update may still read `grad`
-        self._downloaded = self.copier.copy(self.grad, device_grad)
+        self._offloaded = self.copier.copy(self.grad, device_grad)
         self._grad_version = version
 
-    def host_grad(self, device_grad: torch.Tensor, version: int) -> torch.Tensor:
+    def wait_offload(self, device_grad: torch.Tensor, version: int) -> torch.Tensor:
         """The reduced gradient of this step, on the host and complete."""
-        self.download(device_grad, version)
-        if self._downloaded is not None:
-            self._downloaded.synchronize()
-            self._downloaded = None
+        self.offload(device_grad, version)
+        if self._offloaded is not None:
+            self._offloaded.synchronize()
+            self._offloaded = None
         return self.grad
 
     def before_device_grad_changes(self) -> None:
-        """The device gradient is about to be written (a reduction, zeroing): a download still
+        """The device gradient is about to be written (a reduction, zeroing): an offload still
         reading it must finish first. Stream order only; the host does not wait."""
-        if self._downloaded is not None:
-            torch.cuda.current_stream(self.copier.device).wait_event(self._downloaded)
+        if self._offloaded is not None:
+            torch.cuda.current_stream(self.copier.device).wait_event(self._offloaded)
 
     def drop_device_grad(self) -> None:
         """The device gradient is freed (stages 2-3, after the step): on one memory `grad` was it."""
         if self.copier.one_memory:
             self.grad = None
 
-    def upload(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
+    def write_back(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
         """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
-        before_device_read() orders the shard's next reader after it."""
+        wait_write_back() orders the shard's next reader after it."""
         if self.copier.one_memory:
             device_shard.copy_(master)
             return
         if self._staging_read is not None:
-            self._staging_read.synchronize()  # the previous upload may still read `staging`
+            self._staging_read.synchronize()  # the previous write-back may still read `staging`
         self.staging.copy_(master)
-        self._uploaded = self._staging_read = self.copier.copy(device_shard, self.staging)
+        self._written_back = self._staging_read = self.copier.copy(device_shard, self.staging)
 
-    def before_device_read(self) -> None:
-        """Order the compute stream (and so the collectives issued from it) after the upload."""
-        if self._uploaded is not None:
-            torch.cuda.current_stream(self.copier.device).wait_event(self._uploaded)
-            self._uploaded = None
+    def wait_write_back(self) -> None:
+        """Order the compute stream (and so the collectives issued from it) after the write-back."""
+        if self._written_back is not None:
+            torch.cuda.current_stream(self.copier.device).wait_event(self._written_back)
+            self._written_back = None
 
 
 def disk_store(flat: Any) -> Any:
