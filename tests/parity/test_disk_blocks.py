@@ -68,17 +68,18 @@ def test_blocks_cover_every_byte_of_a_tensor_at_any_offset(tmp_path, monkeypatch
 
 def _small_blocks(rank: int, world_size: int, path: str) -> None:
     """Stage 3 with the optimizer states and parameter shards in files moved 4 KiB at a time (each
-    file holds several blocks and a partial one), fp32 and bf16: bit-identical to memory offload."""
+    file holds several blocks and a partial one), fp32 and bf16: bit-identical to memory offload.
+    With fused AdamW, so the host's step in one pass runs over the streamed buffers too."""
     for precision in ("fp32", "bf16"):
         base = {"bf16": {"enabled": precision == "bf16"}, "gradient_clipping": 0.5}
         zero = {"stage": 3, "sub_group_size": 3000}
         memory = {**zero, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
-        ref, ref_losses = _train(rank, world_size, {**base, "zero_optimization": memory}, d=32)
+        ref, ref_losses = _train(rank, world_size, {**base, "zero_optimization": memory}, d=32, fused=True)
         ref_state = ref.full_state_dict()
         disk = {**zero, "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": 2},
                 "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": 0}}
         engine, losses = _train(rank, world_size, {**base, "zero_optimization": disk,
-                                                   "aio": {"block_size": BLOCK}}, d=32)
+                                                   "aio": {"block_size": BLOCK}}, d=32, fused=True)
         store = engine.copier.disk
         assert store.block == BLOCK
         files = [store.path_of(f.master) for f in engine.flats if f.trainable]
@@ -93,3 +94,26 @@ def _small_blocks(rank: int, world_size: int, path: str) -> None:
 def test_training_through_small_blocks_is_bit_identical(tmp_path):
     spawn(_small_blocks, 2, str(tmp_path))
     assert not os.listdir(tmp_path)
+
+
+def test_state_files_take_their_dtype_and_each_step_counts_its_own_bytes(tmp_path):
+    """A state's file holds the dtype asked for (the master's when none is), and io figures are
+    exact per step: a step's `last_step` is what moved between two end_step() calls, from zero."""
+    (tmp_path / "opt").mkdir()
+    store = DiskStore({"optimizer": str(tmp_path / "opt")})
+    try:
+        master = store.new_tensor("optimizer", "flat0.master", 1000, torch.float32)
+        assert store.state_tensor(master, "exp_avg").dtype == torch.float32
+        half = store.state_tensor(master, "exp_avg_sq", torch.bfloat16)
+        assert half.dtype == torch.bfloat16 and os.path.getsize(store.path_of(half)) == 2000
+        values = torch.arange(1000, dtype=torch.float32)
+        for step in range(3):
+            store.write(master, values + step)
+            out = torch.empty(1000)
+            store.read(master, out)
+            assert torch.equal(out, values + step)
+            store.end_step()
+            assert store.stats()["last_step"] == {"read": 4000, "written": 4000}, step
+        assert store.stats()["total"] == {"read": 12000, "written": 12000}
+    finally:
+        store.close()
