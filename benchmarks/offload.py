@@ -4,13 +4,15 @@ DeepSpeed's offload (where installed) and FSDP2's CPUOffloadPolicy, on a Llama-s
 Every run trains the same Hugging Face Llama (built from a config, nothing downloaded) on the same random
 tokens in bf16 (`--precision`) with fused AdamW, world size 1, each in a fresh process (its GPU peak and
 host RSS are its own), in interleaved rounds. Reported per run: median step time (median over rounds),
-tokens/s, the optimizer step's share where the implementation exposes it, GPU peak allocated, peak host
-RSS, last loss.
+tokens/s, the time in the optimizer step call (zeroshard's pipelined update returns from step() at
+once: its work shows in the next forward, so compare step times), GPU peak allocated, peak host RSS,
+last loss.
 `--largest` instead searches, per offloading implementation, the most layers of the model's shape that
 train two steps at micro-batch 1 (a fresh process per try).
 
     python benchmarks/offload.py                          # 1.1B (hidden 2048, 22 layers), seq 1024, batch 8
     python benchmarks/offload.py --shape 2.8b --batch 4   # hidden 3072, 26 layers
+    python benchmarks/offload.py --clip 1.0               # with gradient clipping, every run
     python benchmarks/offload.py --largest                # the largest model each one trains on this GPU
     python benchmarks/offload.py --device cpu --shape small --seq 128 --batch 4 --precision fp32  # CPU
 
@@ -37,10 +39,13 @@ SHAPES = {"small": dict(hidden_size=256, intermediate_size=704, num_hidden_layer
                                      "num_key_value_heads": 8}}
 OFFLOAD_OPT = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 OFFLOAD_ALL = {**OFFLOAD_OPT, "offload_param": {"device": "cpu", "pin_memory": True}}
-ZEROSHARD = {"zeroshard_2": (2, {}, False), "zeroshard_3": (3, {}, False),  # stage, offload, delayed
-             "zeroshard_2_offload": (2, OFFLOAD_OPT, False), "zeroshard_3_offload": (3, OFFLOAD_OPT, False),
-             "zeroshard_3_offload_dpu": (3, OFFLOAD_OPT, True),
-             "zeroshard_3_offload_params": (3, OFFLOAD_ALL, False)}
+ZEROSHARD = {"zeroshard_2": (2, {}, {}), "zeroshard_3": (3, {}, {}),  # stage, offload, "zeroshard" keys
+             "zeroshard_2_offload": (2, OFFLOAD_OPT, {}),
+             "zeroshard_2_offload_pipelined": (2, OFFLOAD_OPT, {"pipelined_update": True}),
+             "zeroshard_3_offload": (3, OFFLOAD_OPT, {}),  # pipelined: the default at stage 3
+             "zeroshard_3_offload_sequential": (3, OFFLOAD_OPT, {"pipelined_update": False}),
+             "zeroshard_3_offload_dpu": (3, OFFLOAD_OPT, {"delayed_param_update": True}),
+             "zeroshard_3_offload_params": (3, OFFLOAD_ALL, {})}
 DEEPSPEED = {"deepspeed_2_offload": (2, OFFLOAD_OPT), "deepspeed_3_offload": (3, OFFLOAD_OPT),
              "deepspeed_3_offload_params": (3, OFFLOAD_ALL)}
 FSDP = ["fsdp2", "fsdp2_offload"]
@@ -69,11 +74,11 @@ def make_step(name: str, model, device, args: argparse.Namespace):
     import torch
     if name in ZEROSHARD:
         import zeroshard
-        stage, offload, dpu = ZEROSHARD[name]
+        stage, offload, keys = ZEROSHARD[name]
         engine = zeroshard.initialize(model, None, {
             "zero_optimization": {"stage": stage, **offload}, "bf16": {"enabled": args.precision == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": True}},  # as FSDP2's below
-            "zeroshard": {"delayed_param_update": dpu}})
+            "gradient_clipping": args.clip, "zeroshard": keys})
         return _timed(lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,
                       device)
     if name in DEEPSPEED:
@@ -82,7 +87,7 @@ def make_step(name: str, model, device, args: argparse.Namespace):
         deepspeed.init_distributed()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
             "train_micro_batch_size_per_gpu": args.batch, "bf16": {"enabled": args.precision == "bf16"},
-            "zero_optimization": {"stage": stage, **offload},
+            "zero_optimization": {"stage": stage, **offload}, "gradient_clipping": args.clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
         return _timed(lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,
                       device)
@@ -100,6 +105,8 @@ def make_step(name: str, model, device, args: argparse.Namespace):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def update() -> None:
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return _timed(lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), update,
@@ -178,6 +185,7 @@ def main() -> None:
                    help="compute dtype (bf16 matmuls are slow on most CPUs: use fp32 there)")
     p.add_argument("--impls", nargs="+", choices=list(ZEROSHARD) + list(DEEPSPEED) + FSDP)
     p.add_argument("--largest", action="store_true", help="search the largest model per offloading run")
+    p.add_argument("--clip", type=float, default=0.0, help="gradient clipping max norm (default 0: none)")
     args = parse_run_args(p, worker)
     if args is None:
         return

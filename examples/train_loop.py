@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--save", help="save a checkpoint here at the end (loadable at any world size)")
+    p.add_argument("--resume", help="load this checkpoint first (saved at any world size or stage)")
     args = p.parse_args()
     config = args.config or {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
 
@@ -62,6 +64,8 @@ def main() -> None:
                                   optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
                                   config=config)
     rank, world = zeroshard.rank_and_world_size()
+    if args.resume:
+        engine.load_checkpoint(args.resume)
     data = text()
     batches = torch.Generator().manual_seed(1234 + rank)  # each rank its own samples
     for step in range(args.steps):
@@ -74,10 +78,16 @@ def main() -> None:
         mean = zeroshard.mean_over_ranks(loss)  # a collective: every rank calls it
         if rank == 0 and (step % 50 == 0 or step == args.steps - 1):
             print(f"step {step}: loss {mean:.4f}")
+    if args.save:
+        engine.save_checkpoint(args.save)
     if rank == 0:
         stats = engine.memory_stats()
         print(f"model states per rank: {stats['model_states_in_step'] / 2**20:.2f} MiB at stage "
               f"{engine.config.stage} on {world} ranks")
+        sent = engine.comm_stats()["total"].values()
+        print(f"sent by this rank: {sum(v['intra_node_bytes'] for v in sent) / 2**20:.2f} MiB inside "
+              f"its node, "
+              f"{sum(v['inter_node_bytes'] for v in sent) / 2**20:.2f} MiB across nodes")
 
 
 if __name__ == "__main__":

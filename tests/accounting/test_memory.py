@@ -213,7 +213,7 @@ def _receive_buffer_counted(rank: int, world_size: int) -> None:
     pending = reduce_scatter_mean(zeroshard.Comm(), out, full, [(0, 4)], torch.float32, accumulate=False,
                                   async_op=True)
     flat = SimpleNamespace(policy=SimpleNamespace(shard_params=False, shard_grads=True), persistent=True,
-                           grads=SimpleNamespace(full=None, inflight=pending))
+                           grads=SimpleNamespace(full=None, inflight=pending), secondary=None)
     assert temporary_bytes(flat) == 32 + 32  # the input (8 fp32) and the receive buffer (8 fp32)
     complete(pending)
     assert torch.equal(out, torch.full((4,), 1.5)) and temporary_bytes(flat) == 0  # the mean of 1 and 2

@@ -46,7 +46,7 @@ def test_deepspeed_keys_that_change_nothing_here_are_accepted():
     # ... and at any other value refused, naming what is accepted: never a feature silently absent.
     for raw, said in [({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor': 2.0 asks for"),
                       ({"zero_optimization": {"ignore_unused_parameters": False}}, "it accepts true"),
-                      ({"zero_optimization": {"zero_quantized_weights": 1}}, "it accepts false"),
+                      ({"zero_optimization": {"round_robin_gradients": True}}, "it accepts false"),
                       ({"fp16": {"enabled": True, "auto_cast": True}}, "'fp16.auto_cast': true asks for")]:
         with pytest.raises(ConfigError, match=said):
             Config.load(raw)
@@ -100,6 +100,9 @@ def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
     ({"zero_optimization": {"stage": 2}, "zeroshard": {"delayed_param_update": True}},
      ["delayed_param_update", "needs zero_optimization.offload_optimizer"]),
     ({"zeroshard": {"delayed_param_update": "on"}}, ["delayed_param_update", "true or false"]),
+    ({"zero_optimization": {"stage": 2}, "zeroshard": {"offload_casts": "device"}},
+     ["offload_casts", "offload_optimizer is off"]),
+    ({"zeroshard": {"offload_casts": "gpu"}}, ["offload_casts", "host", "device"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      ["offload_optimizer needs", "stage >= 1"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),

@@ -25,7 +25,8 @@ def zeroshard(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _train_losses(out: str) -> list[float]:
     from zeroshard.checkpoint import read_meta, resolve
-    meta = read_meta(resolve(os.path.join(out, "checkpoints")), no_dist=True)
+    where = out if os.path.basename(out).startswith("checkpoints") else os.path.join(out, "checkpoints")
+    meta = read_meta(resolve(where), no_dist=True)
     return meta["extra"]["client_state"]["losses"]
 
 
@@ -33,6 +34,7 @@ def test_train_resume_and_consolidate(tmp_path):
     out = str(tmp_path / "run")
     first = zeroshard("train", "--steps", "20", "--nproc", "2", "--size", "tiny", "--out", out).stdout
     assert "ZeRO stage 3, 2 ranks" in first and "sample:" in first and "traffic per step" in first
+    assert "inside nodes: " in first and "across nodes: 0.00 MiB" in first  # one machine: one node
     rows = [line.split() for line in first.splitlines()
             if line.strip()[:1].isdigit() and len(line.split()) == 6]
     assert len(rows) == 2  # one memory row per rank: measured model states beside the paper's formula
@@ -69,9 +71,13 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
-    done = zeroshard_here("train", "--device", "cpu", *common, "--out", str(tmp_path / "a"))  # no --resume
-    assert done.returncode == 2 and "already holds an earlier run's checkpoints (the latest: 'step2'); " \
-        "a new run would overwrite them: pass --resume" in done.stderr, done.stderr
+    # The same command again (no --resume): a new run, the earlier run's checkpoints kept aside.
+    earlier = _train_losses(str(tmp_path / "a"))
+    out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
+    kept = [name for name in os.listdir(tmp_path / "a") if name.startswith("checkpoints-")]
+    assert len(kept) == 1 and f"earlier run's checkpoints: moved to {tmp_path / 'a' / kept[0]}" in out, out
+    assert _train_losses(str(tmp_path / "a" / kept[0])) == earlier
+    assert open(tmp_path / "a" / "checkpoints" / "latest").read() == "step2"
     done = zeroshard_here("train", "--device", "cpu", *common, "--resume", "--out", str(tmp_path / "a"))
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
@@ -149,7 +155,7 @@ def test_compare_reports_every_stage_against_ddp(tmp_path):
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
                                   "gradient_clipping": 0.5, "gradient_accumulation_steps": 2}))
     out = zeroshard("compare", "--steps", "4", "--size", "tiny", "--stages", "1", "3", "--rounds", "2",
-                    "--config", str(config), "--out", str(tmp_path)).stdout
+                    "--config", str(config), "--out", str(tmp_path / "out")).stdout
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
     assert rounds == [f"round {i}/2: ddp, stage 1, stage 3, side by side ..." for i in (1, 2)]
     alone = [line for line in out.splitlines() if line.startswith("alone: ")]
@@ -162,7 +168,8 @@ def test_compare_reports_every_stage_against_ddp(tmp_path):
             for r in out.split("side by side: ")[1].splitlines()[0].split("; ") if r.startswith("ddp")}
     assert float(rows["ddp"][1]) == pytest.approx(sorted(each["ddp"])[0] / 2 + sorted(each["ddp"])[1] / 2,
                                                   abs=0.06)  # the median over rounds
-    assert os.path.getsize(tmp_path / "compare.png") > 10_000
+    assert os.listdir(tmp_path / "out") == ["compare.png"]  # it writes only what it reports
+    assert os.path.getsize(tmp_path / "out" / "compare.png") > 10_000
     ddp_loss, stage3_loss = float(rows["ddp"][-2]), float(rows["stage3"][-2])
     assert abs(ddp_loss - stage3_loss) < 1e-3  # same model, data and recipe: the same training
     states = {k: float(v[-5 if k == "ddp" else -5]) for k, v in rows.items()}

@@ -56,15 +56,17 @@ def _torch_losses(amp: bool) -> list[float]:
 
 
 def _zeroshard_losses(stage: int, precision: str, build_under_init: bool = False,
-                      zero: dict | None = None) -> list[float]:
+                      zero: dict | None = None, fused: bool | None = None,
+                      zeroshard_keys: dict | None = None) -> list[float]:
     torch.manual_seed(0)
     if build_under_init:
         with zeroshard.init():  # recorded on the CPU, materialized unit by unit, moved to the GPU
             model = TinyGPT(d=64)
     else:
         model = TinyGPT(d=64)
-    config = {"zero_optimization": {"stage": stage, **(zero or {})}, "bf16": {"enabled": precision == "bf16"}}
-    engine = zeroshard.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2), config)
+    config = {"zero_optimization": {"stage": stage, **(zero or {})}, "bf16": {"enabled": precision == "bf16"},
+              "zeroshard": zeroshard_keys or {}}
+    engine = zeroshard.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2, fused=fused), config)
     assert engine.device.type == "cuda" and engine.config.overlap_comm  # the defaults: overlap, prefetch
     assert all(p.device == engine.device for p in model.parameters() if p.numel())
     assert all(b.device == engine.device for b in model.buffers())
@@ -112,6 +114,43 @@ def test_offload_matches_torch_on_the_gpu(nccl_group, stage, offload):
           rtol=1e-4, atol=1e-5, what=f"stage {stage} offload {offload} fp32 on cuda")
     close(_zeroshard_losses(stage, "bf16", zero=OFFLOADS[offload]), _torch_losses(amp=True),
           rtol=0.02, atol=0, what=f"stage {stage} offload {offload} bf16 against torch AMP")
+
+
+@pytest.mark.parametrize("casts", ["host", "device"])
+def test_offload_in_one_host_pass_matches_torch_on_the_gpu(nccl_group, casts):
+    """Fused AdamW over offloaded shards: the host's step in one pass (offload/host_step.py), with
+    the 16-bit casts on the host or, with "offload_casts": "device", on the GPU."""
+    from zeroshard.offload import host_step
+    calls, update = [], host_step.update
+    host_step.update = lambda *args, **kwargs: (calls.append(1), update(*args, **kwargs))[1]
+    try:
+        for precision, amp, tolerance in (("fp32", False, dict(rtol=1e-4, atol=1e-5)),
+                                          ("bf16", True, dict(rtol=0.02, atol=0))):
+            reference = _torch_losses(amp=amp)
+            close(_zeroshard_losses(3, precision, zero=OFFLOADS["both"], fused=True,
+                                    zeroshard_keys={"offload_casts": casts}),
+                  reference, **tolerance, what=f"stage 3 offload in one pass, {precision}, casts on {casts}")
+    finally:
+        host_step.update = update
+    assert calls, "the host's step in one pass did not run"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pipelined_offload_matches_torch_amp(nccl_group, stage):
+    """The update pipelined with the next forward (core/pipeline.py; at stage 2 asked for): each
+    buffer's copy up started by the worker thread, waited for by the next forward's gather."""
+    from zeroshard.core.pipeline import PipelinedUpdate
+    started, start = [], PipelinedUpdate.start
+    PipelinedUpdate.start = lambda self, *a, **k: (started.append(1), start(self, *a, **k))[1]
+    try:
+        for precision, amp, tolerance in (("fp32", False, dict(rtol=1e-4, atol=1e-5)),
+                                          ("bf16", True, dict(rtol=0.02, atol=0))):
+            close(_zeroshard_losses(stage, precision, zero=OFFLOADS["optimizer"], fused=True,
+                                    zeroshard_keys={"pipelined_update": True}),
+                  _torch_losses(amp=amp), **tolerance, what=f"stage {stage} pipelined offload, {precision}")
+    finally:
+        PipelinedUpdate.start = start
+    assert started, "the pipelined update did not run"
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -205,7 +244,10 @@ def test_under_the_cuda_sanitizer():
     done = subprocess.run([sys.executable, os.path.join(HERE, "sanitized_run.py")], capture_output=True,
                           text=True, env=env, timeout=600)
     assert done.returncode == 0 and "data race" not in done.stderr, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "trained stage 2" in done.stdout and "trained stage 3 with offload" in done.stdout
+    assert "trained stage 2" in done.stdout
+    for casts in ("host", "device"):
+        assert f"trained stage 3 with offload, casts on the {casts}, pipelined" in done.stdout
+    assert "trained stage 3 with offload, casts on the host, sequential" in done.stdout
 
 
 def _cli(*args: str) -> str:

@@ -39,7 +39,10 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
 # the first spawn on: a test that must change a rank's environment passes it as an argument.)
 # torch._dynamo too: stage 3's hooks are wrapped in torch._dynamo.disable (units.py), and importing
 # it took ~2.5 s of each rank's CPU (a quarter of the parity tests' time).
-mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeroshard"])
+# `import zeroshard` alone is light (its public names load on first use): the engine and what it
+# needs are named here.
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zeroshard",
+                           "zeroshard.engine.initialize", "zeroshard.integrations.hf.patches"])
 
 
 def spawn(fn, world_size: int, *args) -> None:

@@ -136,6 +136,7 @@ def _two_ranks(rank: int, world_size: int, out: str) -> None:
     seed.train()
     results["seed"] = {**_logged(seed), "optimizer": type(seed.engine.optimizer).__name__,
                        "fused": seed.engine.optimizer.defaults.get("fused"),
+                       "pipelined": seed.engine.pipeline.started, "steps": seed.engine.global_steps,
                        "weights": seed.engine.full_state_dict()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -225,6 +226,7 @@ def test_seed_config_optimizer_section_and_skipped_steps(runs):
     _, results = runs
     seed = results["seed"]
     assert seed["optimizer"] == "AdamW" and seed["fused"]  # adamw_torch, on the host: the fused kernel
+    assert seed["pipelined"] == seed["steps"] > 0  # every update overlapped the next forward
     ddp = results["bert", "ddp"]  # the same training, with evaluation: the fused kernel changes nothing
     close(seed["loss"], ddp["loss"], rtol=LOSS_RTOL, what="seed config losses")
     for name, value in ddp["weights"].items():

@@ -30,13 +30,15 @@ def _merge(*configs: dict) -> dict:
 
 
 def _train(rank: int, world_size: int, config: dict, steps: int | range = STEPS, scheduler=None, d: int = 16,
-           engine=None):
-    """Train `steps` (a count, or a range of the batch sequence) on a new engine, or on `engine`."""
+           engine=None, fused: bool | None = None):
+    """Train `steps` (a count, or a range of the batch sequence) on a new engine, or on `engine`;
+    `fused`: AdamW's fused kernel (whose offloaded step runs on the host in one pass)."""
     steps = range(steps) if isinstance(steps, int) else steps
     if engine is None:
         torch.manual_seed(0)
-        engine = zeroshard.initialize(TinyGPT(d=d), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
-                                      config, lr_scheduler=scheduler)
+        engine = zeroshard.initialize(
+            TinyGPT(d=d), lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=fused), config,
+            lr_scheduler=scheduler)
     local, micro = GLOBAL_BATCH // world_size, engine.config.gradient_accumulation_steps
     data, losses = batches(steps.stop, GLOBAL_BATCH), []
     for step in steps:
@@ -58,7 +60,8 @@ def _expected_places(engine) -> tuple[int, int]:
     """(host bytes, transfer bytes) from the layout alone: the fp32 master and AdamW's two
     moments (12 bytes) per owned element plus a step counter per buffer; the gradient's and the
     update's host copies (none where host and device are one memory and no delayed update reads
-    them on a worker thread); offloaded stage-3 shards in the compute dtype."""
+    them on a worker thread; no update copy in fp32, where the master goes up); offloaded stage-3
+    shards in the compute dtype."""
     cfg, dtype = engine.config.zero, engine.precision.param_dtype
     compute, host, transfer = torch.finfo(dtype).bits // 8, 0, 0
     for f in engine.flats:
@@ -69,44 +72,56 @@ def _expected_places(engine) -> tuple[int, int]:
         if f.trainable and cfg.offload_optimizer:
             host += 12 * shard + 4
             if not engine.copier.one_memory:
-                transfer += f.grad_dtype.itemsize * shard + (0 if off_params else compute * shard)
+                goes_up = 0 if off_params or dtype == torch.float32 else compute * shard  # (fp32: the
+                transfer += f.grad_dtype.itemsize * shard + goes_up                       # master itself)
     return host + transfer, transfer
 
 
 def _parity(rank: int, world_size: int) -> None:
-    for precision in ("fp32", "bf16"):
-        for stage in (2, 3):
-            base = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
-                    "gradient_clipping": 0.5, "gradient_accumulation_steps": 2}
-            ref, ref_losses = _train(rank, world_size, base)
-            ref_state = ref.full_state_dict()
-            variants = {"optimizer": OPTIMIZER} | ({"params": PARAMS, "both": _merge(OPTIMIZER, PARAMS)}
-                                                    if stage == 3 else {})
-            for name, extra in variants.items():
-                what = f"{precision} stage {stage} offload {name}"
-                engine, losses = _train(rank, world_size, _merge(base, extra))
-                assert losses == ref_losses, what  # bit for bit: offload moves values, never rounds
-                state = engine.full_state_dict()
-                assert all(torch.equal(state[k], ref_state[k]) for k in ref_state), what
-                stats, (host, transfer) = engine.memory_stats(), _expected_places(engine)
-                assert stats["host"] == host and stats["transfer"] == transfer, (what, stats, host)
-                assert stats["device"] + stats["host"] == \
-                    stats["model_states"] + stats["buffers"] + stats["temporary"] + transfer, what
-                # What left the device is what the host took on: the optimizer state (and its fp32
-                # master) and the offloaded shards. Only fp32 with the shards alone on the host adds
-                # to the device: an fp32 master for the optimizer there (the shards can't be it). And
-                # a 16-bit stage-3 shard kept on the device for a master on the host (in place, the
-                # gather casts the device master: no such shard).
-                ref_stats, zero = ref.memory_stats(), extra["zero_optimization"]
-                on_host = sum(f.shard.nbytes for f in engine.flats if f.shard_on_host)
-                expected = ref_stats["device"] - ref_stats["params"] + stats["params"] - on_host
-                if "offload_optimizer" in zero:
-                    expected -= ref_stats["optimizer"]
-                else:
-                    expected += stats["optimizer"] - ref_stats["optimizer"]
-                    assert precision == "bf16" or stats["optimizer"] - ref_stats["optimizer"] == \
-                        4 * sum(f.layout.shard_numel for f in engine.flats if f.trainable), what
-                assert stats["device"] == expected, (what, stats, ref_stats)
+    """Offload changes no bit, with torch's optimizer.step() (AdamW unfused) and with the host's
+    step in one pass (fused AdamW: offload/host_step.py, counted to be sure it ran)."""
+    from zeroshard.offload import host_step
+    folded, update = [], host_step.update
+    host_step.update = lambda *args, **kwargs: (folded.append(1), update(*args, **kwargs))[1]
+    cases = [(False, "fp32", 2), (False, "fp32", 3), (False, "bf16", 2), (False, "bf16", 3),
+             (True, "fp32", 3), (True, "bf16", 2), (True, "bf16", 3), (True, "fp16", 2), (False, "fp16", 3)]
+    for fused, precision, stage in cases:
+        base = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": precision == "bf16"},
+                "gradient_clipping": 0.5, "gradient_accumulation_steps": 2}
+        if precision == "fp16":  # a scale the first step overflows at: skipped, then halved
+            base["fp16"] = {"enabled": True, "initial_scale_power": 16, "hysteresis": 1}
+        ref, ref_losses = _train(rank, world_size, base, fused=fused)
+        ref_state = ref.full_state_dict()
+        variants = {"optimizer": OPTIMIZER} | ({"params": PARAMS, "both": _merge(OPTIMIZER, PARAMS)}
+                                                if stage == 3 else {})
+        for name, extra in variants.items():
+            what = f"{precision} stage {stage} offload {name}{' fused' if fused else ''}"
+            folded.clear()
+            engine, losses = _train(rank, world_size, _merge(base, extra), fused=fused)
+            assert bool(folded) == (fused and name != "params"), what  # the step in one pass ran
+            assert losses == ref_losses, what  # bit for bit: offload moves values, never rounds
+            assert engine.skipped_steps == ref.skipped_steps == (precision == "fp16"), what
+            state = engine.full_state_dict()
+            assert all(torch.equal(state[k], ref_state[k]) for k in ref_state), what
+            stats, (host, transfer) = engine.memory_stats(), _expected_places(engine)
+            assert stats["host"] == host and stats["transfer"] == transfer, (what, stats, host)
+            assert stats["device"] + stats["host"] == \
+                stats["model_states"] + stats["buffers"] + stats["temporary"] + transfer, what
+            # What left the device is what the host took on: the optimizer state (and its fp32
+            # master) and the offloaded shards. Only fp32 with the shards alone on the host adds
+            # to the device: an fp32 master for the optimizer there (the shards can't be it). And
+            # a 16-bit stage-3 shard kept on the device for a master on the host (in place, the
+            # gather casts the device master: no such shard).
+            ref_stats, zero = ref.memory_stats(), extra["zero_optimization"]
+            on_host = sum(f.shard.nbytes for f in engine.flats if f.shard_on_host)
+            expected = ref_stats["device"] - ref_stats["params"] + stats["params"] - on_host
+            if "offload_optimizer" in zero:
+                expected -= ref_stats["optimizer"]
+            else:
+                expected += stats["optimizer"] - ref_stats["optimizer"]
+                assert precision != "fp32" or stats["optimizer"] - ref_stats["optimizer"] == \
+                    4 * sum(f.layout.shard_numel for f in engine.flats if f.trainable), what
+            assert stats["device"] == expected, (what, stats, ref_stats)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -158,6 +173,33 @@ def _delayed(rank: int, world_size: int, stage: int) -> None:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_delayed_param_update_follows_its_definition(stage):
     spawn(_delayed, 2, stage)
+
+
+def _casts(rank: int, world_size: int) -> None:
+    """"offload_casts": "device" (gradients down and updates up in fp32, converted where the
+    gradient is): the same training to the bit as casting on the host, with fp32 host buffers,
+    twice the link bytes. On the CPU the host copies exist where the delayed update keeps them."""
+    results = {}
+    for casts in ("host", "device"):
+        config = _merge({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+                         "gradient_clipping": 0.5, "zeroshard": {"delayed_param_update": True,
+                                                                 "offload_casts": casts}}, OPTIMIZER)
+        engine, losses = _train(rank, world_size, config, fused=True)
+        hosts = [f.host for f in engine.flats if f.host is not None]
+        if casts == "host":  # 16-bit both ways, by way of a 16-bit staging buffer
+            assert {h.grad.dtype for h in hosts} | {h.staging.dtype for h in hosts} == {torch.bfloat16}
+        else:  # fp32 down, and the fp32 master itself goes up: no staging buffer
+            assert {h.grad.dtype for h in hosts} == {torch.float32}
+            assert all(f.host.staging is None and f.host.master is f.master
+                       for f in engine.flats if f.host is not None)
+        results[casts] = losses, engine.full_state_dict(), engine.memory_stats()["transfer"]
+    (losses, state, transfer), (device_losses, device_state, device_transfer) = results.values()
+    assert device_losses == losses and all(torch.equal(device_state[k], v) for k, v in state.items())
+    assert device_transfer == transfer > 0  # (fp32 grad) == (16-bit grad + 16-bit staging)
+
+
+def test_casts_on_the_device_train_as_on_the_host():
+    spawn(_casts, 2)
 
 
 def _census(rank: int, world_size: int) -> None:

@@ -44,13 +44,13 @@ def compare(args: TrainArgs, stages: list[int], rounds: int = 3) -> list[dict[st
     timings = []
     for round_ in range(1, rounds + 1):
         print(f"round {round_}/{rounds}: {names}, side by side ...", flush=True)
-        timings.append(launch(replace(args, quiet=True, sample_tokens=0, resume=False), time_side_by_side,
-                              runs))
+        timings.append(launch(replace(args, quiet=True, sample_tokens=0, resume=False, save=False),
+                              time_side_by_side, runs))
     alone = {}
     for name, stage, ddp in runs:
         print(f"alone: {name} (memory, loss) ...", flush=True)
         alone[name] = launch(replace(args, stage=stage, ddp=ddp, quiet=True, sample_tokens=0, resume=False,
-                                     out=os.path.join(args.out, name.replace(" ", ""))))
+                                     save=False))  # compare writes only what it reports: its chart
     rows = [_row(name, stage, [t[name] for t in timings], alone[name], args) for name, stage, _ in runs]
     for row in rows:  # paired by turn: a spell that slowed the baseline's step slowed this one too
         row["vs_baseline"] = statistics.median(

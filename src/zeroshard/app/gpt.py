@@ -9,9 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-SIZES = {  # named sizes for the CLI: (layers, width, heads)
-    "tiny": (2, 64, 2), "small": (4, 128, 4), "medium": (6, 256, 8), "large": (8, 512, 8),
-}
+from .sizes import SIZES
 
 
 @dataclass
@@ -23,6 +21,15 @@ class GPTConfig:
     layers: int = SIZES["small"][0]
     width: int = SIZES["small"][1]
     heads: int = SIZES["small"][2]
+
+
+def config_for(size: str, layers: int | None, width: int | None, seq_len: int) -> GPTConfig:
+    """The GPT a run's flags describe: a named size, with layers and width overridden where given
+    (heads kept where they divide the width, else one)."""
+    size_layers, size_width, heads = SIZES[size]
+    width = width or size_width
+    return GPTConfig(seq_len=seq_len, layers=layers or size_layers, width=width,
+                     heads=heads if width % heads == 0 else 1)
 
 
 class SelfAttention(nn.Module):

@@ -10,15 +10,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from .gpt import SIZES
+from .sizes import SIZES
 
 # What a rank raises for bad input (a config, a model, a checkpoint): one line says it all.
 _USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFiniteError", "DivergenceError")
 
 
 def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
-    """An --out holding checkpoints needs --resume (a new run would overwrite them); --resume with
-    --steps at or below the checkpoint's step would train nothing: say so."""
+    """An --out holding an earlier run's checkpoints: a new run moves them aside (keep_aside) and says
+    where; --resume continues from them, and with --steps at or below their step would train
+    nothing: say so."""
     import zeroshard
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
@@ -29,11 +30,10 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
             parser.error(f"--resume: nothing to resume in --out {args.out} (no checkpoints there); drop "
                          f"--resume to start a new run, or give the --out of the run to continue")
         return
-    if not args.resume:  # a new run would write its checkpoints over these, and `latest` with them
-        with open(os.path.join(checkpoints, LATEST)) as f:
-            latest = f.read().strip()
-        parser.error(f"--out {args.out} already holds an earlier run's checkpoints (the latest: {latest!r}); "
-                     f"a new run would overwrite them: pass --resume to continue that run, or another --out")
+    if not args.resume:  # a new run keeps the earlier run's checkpoints, apart from its own
+        print(f"--out {args.out} held an earlier run's checkpoints: moved to {keep_aside(checkpoints)} "
+              f"(pass --resume to continue a run instead)")
+        return
     try:
         client_state = zeroshard.checkpoint_info(checkpoints).get("client_state") or {}
         done = len(client_state.get("losses", []))
@@ -43,6 +43,22 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     if done >= args.steps:
         parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
                      f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
+
+
+def keep_aside(checkpoints: str) -> str:
+    """Move an earlier run's checkpoint folder beside it, named by when its latest was written
+    (checkpoints-YYYYmmdd-HHMMSS, numbered where taken); returns the new path."""
+    import time
+    with open(os.path.join(checkpoints, "latest")) as f:
+        latest = os.path.join(checkpoints, f.read().strip())
+    when = os.path.getmtime(latest if os.path.exists(latest) else checkpoints)
+    base = f"{checkpoints}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(when))}"
+    target, n = base, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{base}-{n}"
+    os.rename(checkpoints, target)
+    return target
 
 
 def check_nvme_path(nvme_path: str | None, engine_config: dict) -> None:
@@ -112,7 +128,8 @@ def defaults_from_config(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size {args.batch_size} but the config's batch sizes give a micro-batch "
                          f"of {micro} per rank ({dp} data-parallel ranks): drop one of them")
     if args.batch_size is None:
-        args.batch_size = micro or 8
+        device = "cpu" if getattr(args, "compare", False) else getattr(args, "device", "cpu")
+        args.batch_size = micro or DEFAULT_RUN[device]["batch_size"]
 
 
 def _at_stage(raw: dict, stage: int | None) -> dict:
@@ -121,6 +138,25 @@ def _at_stage(raw: dict, stage: int | None) -> dict:
     zero = raw.get("zero_optimization", {})
     return raw if stage is None or not isinstance(zero, dict) else \
         {**raw, "zero_optimization": {**zero, "stage": stage}}
+
+
+# The run a bare `zeroshard train` makes, by device: on the CPU a small model for about half a
+# minute; on a GPU a larger one for about a minute, long enough that its sample reads as Python.
+# (`compare` keeps the CPU's shapes on a GPU, and its own 30 steps.)
+DEFAULT_RUN = {"cpu": {"size": "small", "seq_len": 64, "steps": 300, "batch_size": 8},
+               "cuda": {"size": "large", "seq_len": 256, "steps": 1500, "batch_size": 32}}
+
+
+def default_run(args: argparse.Namespace) -> None:
+    """Fill the shape options not given, from DEFAULT_RUN for the resolved device (batch_size only
+    where the config gives none: defaults_from_config)."""
+    comparing = getattr(args, "compare", False)
+    run = DEFAULT_RUN["cpu" if comparing else args.device]
+    if comparing and args.steps is None:
+        args.steps = 30
+    for name in ("size", "seq_len", "steps"):
+        if getattr(args, name) is None:
+            setattr(args, name, run[name])
 
 
 def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -76,6 +76,14 @@ def traffic_line(step_bytes: int, psi: int, stage: int, precision: str, accumula
             f"{factor * psi * element / MIB:.2f} MiB{why})")
 
 
+def node_line(step: dict[str, dict[str, int]]) -> str:
+    """The last step's bytes split by where they went: between ranks of one node, or across nodes
+    (a collective's bytes count as inter-node when its group spans nodes, the paper's way)."""
+    inter = sum(v["inter_node_bytes"] for v in step.values())
+    intra = sum(v["intra_node_bytes"] for v in step.values())
+    return f"  inside nodes: {intra / MIB:.2f} MiB, across nodes: {inter / MIB:.2f} MiB"
+
+
 def plot_losses(train: list[float], val: float, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -158,6 +166,7 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
     accumulation = engine.config.gradient_accumulation_steps
     print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
+    print(node_line(engine.comm_stats()["last_step"]))
     paper_bytes = paper_traffic_factor(args.stage, accumulation) * psi * BYTES_PER_PARAM[args.precision][0]
     if args.stage == 3 and step_bytes < paper_bytes:
         print("  (below 3Ψ: the root, and units kept gathered from forward into backward, are not "

@@ -24,7 +24,7 @@ import zeroshard
 
 from .baseline import DDPBaseline
 from .data import Batches, load_corpus
-from .gpt import GPT, SIZES, GPTConfig, lm_loss, sample
+from .gpt import GPT, config_for, lm_loss, sample
 from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report
 from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
                       store_per_attempt, write_progress)
@@ -56,6 +56,7 @@ class TrainArgs:
     save_every: int = 0          # checkpoint every this many steps too (0: only at the end)
     run_id: str = ""             # set by launch, once per call: which checkpoints are this run's
     sample_tokens: int = 160
+    save: bool = True            # checkpoint at the end (compare's runs do not: it reports no checkpoint)
     seed: int = 0
     compile: bool = False        # torch.compile each block (FSDP2's per-block pattern)
     tp: int = 1                  # tensor-parallel ranks (the model's own plan); ZeRO over nproc / tp
@@ -96,10 +97,7 @@ def build_model(args: TrainArgs) -> nn.Module:
     if args.hf_config:
         from zeroshard.hf import causal_lm_from_config
         return causal_lm_from_config(args.hf_config, args.seq_len)
-    layers, width, heads = SIZES[args.size]
-    width = args.width or width
-    return GPT(GPTConfig(seq_len=args.seq_len, layers=args.layers or layers, width=width,
-                         heads=heads if width % heads == 0 else 1))
+    return GPT(config_for(args.size, args.layers, args.width, args.seq_len))
 
 
 def compile_blocks(model: nn.Module) -> None:
@@ -221,9 +219,9 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     progress.close()
     val = _evaluate(engine, data, args)
     stats = engine.memory_stats()
-    if not args.ddp:
+    if not args.ddp and args.save:
         engine.save_checkpoint(checkpoints, client_state=_client_state(args, history))
-    text = _sample(engine, args)
+    text = _sample(engine, args, data)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
     peaks = zeroshard.gather_objects((peak_rss() - rss_before, gpu_peak(engine.device)))
     if rank == 0 and not args.quiet:
@@ -244,7 +242,8 @@ def _checkpoint_if_due(engine, args: TrainArgs, history: list[float], track: boo
     done = len(history)
     if track:
         write_progress(args.out, args.run_id, done)
-    if not args.ddp and args.save_every > 0 and done % args.save_every == 0 and done < args.steps:
+    due = args.save_every > 0 and done % args.save_every == 0 and done < args.steps
+    if not args.ddp and args.save and due:
         engine.save_checkpoint(checkpoints_of(args.out),
                                client_state=_client_state(args, history))
         if track:  # alive after the save: the restart time counts from here
@@ -278,16 +277,30 @@ def _evaluate(engine, data: Batches, args: TrainArgs, batches: int = 4) -> float
     return zeroshard.mean_over_ranks(torch.stack(losses).mean())
 
 
-def _sample(engine, args: TrainArgs) -> str:
-    """Every rank samples together with the same seed (stage 3 gathers inside each forward)."""
+def _sample(engine, args: TrainArgs, data: Batches) -> str:
+    """What the model learned: it continues a prompt from the validation text, which it never
+    trained on. Every rank samples together with the same seed (stage 3 unshards in each forward)."""
     if not args.sample_tokens:
         return ""
-    prompt = torch.tensor([list(b"def ")], device=engine.device)
+    prompt = torch.tensor([prompt_from(data.splits["val"], args.seq_len)], device=engine.device)
     engine.eval()
     out = sample(lambda idx: logits_of(engine(idx)), prompt, args.sample_tokens, args.seq_len,
-                 torch.Generator().manual_seed(args.seed))
+                 torch.Generator().manual_seed(args.seed), temperature=SAMPLE_TEMPERATURE)
     engine.train()
     return bytes(out[0].clamp(max=255).tolist()).decode("utf-8", errors="replace")
+
+
+SAMPLE_TEMPERATURE = 0.5  # below 1: the likelier bytes, which is what a short run has learned
+
+
+def prompt_from(text: torch.Tensor, seq_len: int) -> list[int]:
+    """The first function definition's line in `text` (bytes), at most half the context long:
+    `def name(...):` and the model writes the body. Its first line where there is no `def`."""
+    raw = bytes(text[:200_000].tolist())
+    start = raw.find(b"\ndef ") + 1  # 0 where there is none: the text's first line
+    end = raw.find(b"\n", start)
+    end = len(raw) if end < 0 else end + 1
+    return list(raw[start:min(end, start + max(8, seq_len // 2))])
 
 
 def data_rank(engine) -> tuple[int, int]:

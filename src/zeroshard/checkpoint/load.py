@@ -183,6 +183,7 @@ def _apply(meta: dict[str, Any], plan: _Plan, optimizer: torch.optim.Optimizer) 
     send the pages it wrote to disk and out of memory."""
     _reorder(meta, plan)
     flat, request = plan.flat, plan.request
+    flat.before_master_changes()
     if plan.with_state:
         _fresh_state(meta, flat, optimizer)
     elif flat.trainable:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..comm.collectives import Comm
 from ..parallel.dtensor import from_canonical
 from . import integrity, meta as checkpoint_meta
+from .export import write_weights
 from .commit import LATEST, recovered
 from .integrity import CheckpointError, agree
 
@@ -111,9 +112,10 @@ def read_meta(path: str, process_group=None, no_dist: bool = False) -> dict[str,
 
 
 # ---- offline ------------------------------------------------------------------------------------
-def consolidate(path: str) -> dict[str, torch.Tensor]:
+def consolidate(path: str, output: str | None = None) -> dict[str, torch.Tensor]:
     """Full fp32 weights under the model's own names (every alias of a tied weight), and the
-    persistent buffers, in the model's state_dict order. No process group needed."""
+    persistent buffers, in the model's state_dict order. No process group needed. With `output`,
+    also written there: a safetensors file where the name ends in .safetensors, else torch.save."""
     path, parent = _resolve(path)
     integrity.verify(path, parent=parent)
     meta = read_meta(path, no_dist=True)
@@ -137,4 +139,7 @@ def consolidate(path: str) -> dict[str, torch.Tensor]:
             values[alias] = whole.clone()
     values.update({n: request[f"buffer/{n}"] for n in meta["buffers"]})
     order = meta["extra"].get("state_dict_keys", list(values))
-    return {k: values[k] for k in order if k in values}
+    weights = {k: values[k] for k in order if k in values}
+    if output is not None:
+        write_weights(weights, output)
+    return weights

@@ -70,8 +70,9 @@ def check_tag(tag: object) -> str:
 
 
 def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, comm: Comm,
-         buffers: dict[str, torch.Tensor], extra: dict[str, Any]) -> str:
-    """Collective. Returns the path of the committed checkpoint."""
+         buffers: dict[str, torch.Tensor], extra: dict[str, Any], writes_shards: bool = True) -> str:
+    """Collective. Returns the path of the committed checkpoint. `writes_shards` False: a MiCS
+    replica beyond the first, whose shards the first copy's ranks write (it writes its RNG state)."""
     final, tmp = os.path.join(directory, tag), os.path.join(directory, f".{tag}.tmp")
     made = None
     if comm.rank == 0:
@@ -90,7 +91,7 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
     elementwise: set[str] = set()
     scalars: dict[int, dict[str, Any]] = {}
     on_device: dict[int, list[str]] = {}  # scalars kept beside the parameters (fused/capturable Adam)
-    for flat in flats:
+    for flat in flats if writes_shards else []:
         owned = slice(*flat.range)  # each rank writes only its own shard, at every stage
         values = flat.owned_values().detach()
         values = values[owned] if values.numel() == flat.layout.padded_numel else values

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .quantized import reduce_scatter_quantized
+
 if TYPE_CHECKING:
     from .collectives import Comm
 
@@ -98,6 +100,9 @@ def reduce_scatter_mean(comm: Comm, out: torch.Tensor, full: torch.Tensor, chunk
     if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
         comm.reduce_alone([(out, full, accumulate)], dtype, calls=len(chunks))
         return pending
+    if n > 1 and comm.zeropp is not None and comm.zeropp.grad_bits:  # qgZ: whole, quantized
+        reduce_scatter_quantized(comm, out, full, accumulate)
+        return pending
     if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
         _mean_part(full, n)
         # In place when `out` aliases its slice of `full`, which stays referenced until done.
@@ -127,6 +132,10 @@ def reduce_scatter_together(comm: Comm, outs: list[torch.Tensor], fulls: list[to
     n = comm.world_size
     if n == 1:  # (one dtype throughout: see flat_grad.reducible_together)
         comm.reduce_alone(list(zip(outs, fulls, accumulate)), fulls[0].dtype)
+        return []
+    if comm.zeropp is not None and comm.zeropp.grad_bits:  # qgZ: one buffer at a time, quantized
+        for out, full, add in zip(outs, fulls, accumulate):
+            reduce_scatter_quantized(comm, out, full, add)
         return []
     bucket = _mean_part(torch.cat([f.view(n, -1) for f in fulls], dim=1).view(-1), n)
     comm.staged(bucket)

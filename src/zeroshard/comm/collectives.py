@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,11 @@ import torch.distributed as dist
 from ..common.states import temporarily
 from .devices import group_device
 from .gloo import all_to_all_reduce_scatter
+from .topology import Topology
 from .watch import Watch
+
+if TYPE_CHECKING:
+    from .zeropp import Group, ZeroPP
 
 
 def _all_gather_flat(*args, **kwargs):
@@ -63,6 +67,7 @@ class Kind(str, Enum):
 class Counter:
     calls: int = 0
     bytes: int = 0
+    inter_node_bytes: int = 0  # of `bytes`, those of collectives whose group spans nodes (topology.py)
 
 
 def _fresh() -> dict[Kind, Counter]:
@@ -73,17 +78,28 @@ class Comm:
     """Collectives over one process group, counted by kind. Sums are divided by callers, not here."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, watch: Watch | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None,
+                 topology: Topology | None = None, zeropp: ZeroPP | None = None) -> None:
         """Over `group` (default: the world). `watch`: an engine's (fingerprints, checks, bounded
         waits: watch.py), else None. `tp_group` (tensor parallelism, parallel/mesh.py): the ranks
         holding the other shards of this rank's model; only what must agree across the model
-        crosses it (norms, verdicts, values of replicated parameters)."""
+        crosses it (norms, verdicts, values of replicated parameters). `replica_group` (MiCS): the
+        ranks holding this rank's shard in the other copies of the model; gradients are averaged
+        over it. `topology`: the nodes, for the intra/inter-node split of the counts. `zeropp`: the
+        ZeRO++ options and their groups (zeropp.py), else None."""
         self.group, self.watch, self.tp_group = group, watch, tp_group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.replica_group = replica_group
+        self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
+        self.replicas = dist.get_world_size(replica_group) if replica_group is not None else 1
+        self.topology, self.zeropp = topology, zeropp
+        self._inter = topology is not None and topology.spans_nodes(group)
+        self._replicas_inter = topology is not None and replica_group is not None and \
+            topology.spans_nodes(replica_group)
         self.total = _fresh()
         self.window = _fresh()
         self.largest_bucket = 0  # bytes of the largest staging buffer built (constant: the CB claim)
@@ -91,11 +107,14 @@ class Comm:
         self._counting_step = True
         self.label = ""  # what the next collectives are about ("unit 3 (h.2)"), for the fingerprints
 
-    def _count(self, kind: Kind, nbytes: int, calls: int = 1) -> None:
+    def _count(self, kind: Kind, nbytes: int, calls: int = 1, inter: bool | None = None) -> None:
+        """`inter`: whether the collective's group spans nodes (default: this Comm's group)."""
         targets = [self.total, self.window] if self._counting_step else [self.total]
+        inter = self._inter if inter is None else inter
         for table in targets:
             table[kind].calls += calls
             table[kind].bytes += nbytes
+            table[kind].inter_node_bytes += nbytes if inter else 0
 
     def _issue(self, kind: str, tensor: torch.Tensor, bucket: int, async_op: bool,
                call: Callable[[bool], Work]) -> Work:
@@ -137,6 +156,22 @@ class Comm:
         return self._issue("all_gather", output, bucket, async_op,
                            lambda a: _all_gather_flat(output, shard, group=self.group, async_op=a))
 
+    def all_gather_over(self, group: Group, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """all_gather over one of ZeRO++'s groups (hpZ's secondary partition), synchronously."""
+        self._count(Kind.ALL_GATHER, output.numel() * output.element_size(), inter=group.inter)
+        if group.size == 1:
+            output.copy_(shard)
+            return
+        self._issue("all_gather", output, 0, False,
+                    lambda a: _all_gather_flat(output, shard, group=group.group, async_op=a))
+
+    def all_to_all_over(self, group: Group, output: torch.Tensor, send: torch.Tensor) -> None:
+        """output = the group's ranks' parts for this rank (send: equal parts, one per rank, in rank
+        order), synchronously: ZeRO++'s quantized reduce-scatter, counted as one (its input's bytes)."""
+        self._count(Kind.REDUCE_SCATTER, send.numel() * send.element_size(), inter=group.inter)
+        self._issue("all_to_all", send, 0, False,
+                    lambda a: dist.all_to_all_single(output, send, group=group.group, async_op=a))
+
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                        bucket: int = 0) -> Work:
         """output = this rank's slice of the sum over ranks of `full` (output may alias that slice).
@@ -170,6 +205,20 @@ class Comm:
         src = dist.get_global_rank(self.group, src_rank) if self.group else src_rank
         self._issue("broadcast", tensor, 0, False,
                     lambda a: dist.broadcast(tensor, src=src, group=self.group, async_op=a))
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> None:
+        """MiCS: the mean of `tensor` over the replicas, in place (a no-op without them)."""
+        if self.replicas == 1:
+            return
+        self._count(Kind.ALL_REDUCE, 2 * tensor.numel() * tensor.element_size(), inter=self._replicas_inter)
+        dist.all_reduce(tensor, group=self.replica_group)
+        tensor.div_(self.replicas)
+
+    def broadcast_replicas(self, tensor: torch.Tensor) -> None:
+        """MiCS: replica 0's values in every replica (a no-op without them)."""
+        if self.replicas > 1:
+            self._count(Kind.BROADCAST, tensor.numel() * tensor.element_size(), inter=self._replicas_inter)
+            dist.broadcast(tensor, group=self.replica_group, group_src=0)
 
     def broadcast_tp(self, tensor: torch.Tensor) -> None:
         """tp rank 0's values on every tp rank (a no-op without tensor parallelism)."""
@@ -219,5 +268,8 @@ class Comm:
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         def table(t: dict[Kind, Counter]) -> dict[str, dict[str, int]]:
-            return {k.value: {"calls": c.calls, "bytes": c.bytes} for k, c in t.items()}
+            return {k.value: {"calls": c.calls, "bytes": c.bytes,
+                              "intra_node_bytes": c.bytes - c.inter_node_bytes,
+                              "inter_node_bytes": c.inter_node_bytes}
+                    for k, c in t.items()}
         return {"last_step": table(self.last_step), "total": table(self.total)}

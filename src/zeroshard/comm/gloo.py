@@ -1,6 +1,6 @@
 """gloo's reduce-scatter, done as an all-to-all plus a local sum.
 
-Why: gloo's reduce_scatter is ~3x slower than its all_to_all (benchmarks/gloo_collectives.py) and
+Why: gloo's reduce_scatter is slower than its all_to_all (benchmarks/gloo_collectives.py times both) and
 ignores wait()'s timeout, which the divergence diagnosis needs. The all-to-all sends each rank its
 slice of every rank's buffer, the same (N-1)/N of the buffer per rank a ring reduce-scatter sends;
 the first wait() sums the N received slices, in rank order, into the output. NCCL keeps its own

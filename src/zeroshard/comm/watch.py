@@ -100,7 +100,7 @@ class Watch:
                 c.backwards)
         self.recent.append(Fingerprint(self.count, *call))
         self.count += 1
-        self.digest = zlib.crc32(repr(call).encode(), self.digest)  # (astuple(): 10x slower, same text)
+        self.digest = zlib.crc32(repr(call).encode(), self.digest)  # (repr: astuple() is slower)
         self.digests.append(self.digest)
 
     # ---- bounded waits --------------------------------------------------------------------------

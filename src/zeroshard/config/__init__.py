@@ -15,7 +15,8 @@ from typing import Any
 from .keys import NOT_IMPLEMENTED_TOP, TOP_LEVEL
 from .noop_keys import accept_no_op
 from .nvme_keys import check as check_nvme
-from .sections import DTYPES, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig
+from .sections import (DTYPES, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig,
+                       unknown_key)
 
 __all__ = ["Config", "ConfigError", "OptimizerConfig", "ScalerConfig", "Settings", "ZeroConfig", "DTYPES"]
 
@@ -54,8 +55,7 @@ class Config(Settings):
                     raise ConfigError(f"config key '{key}' is a DeepSpeed key that zeroshard does not "
                                       f"implement yet; remove it")
             else:
-                raise ConfigError(f"unknown config key '{key}'; accepted top-level keys: "
-                                  f"{', '.join(sorted(TOP_LEVEL))}")
+                raise unknown_key(key, sorted(TOP_LEVEL), listed="accepted top-level keys")
         if cfg.defer_param_gather and cfg.stage not in (1, 2):
             raise ConfigError(f"zeroshard.defer_param_gather applies to stages 1 and 2 (the post-step "
                               f"all-gather), not to stage {cfg.stage}; remove it")
@@ -74,8 +74,58 @@ class Config(Settings):
             raise ConfigError("zeroshard.delayed_param_update overlaps the host optimizer step with the "
                               "next forward and backward: it needs zero_optimization.offload_optimizer "
                               "{\"device\": \"cpu\"}; add it or remove delayed_param_update")
+        if cfg.pipelined_update:
+            _check_pipelined(cfg)
+        if cfg.zero.mics_shard_size > 0 and cfg.stage == 0:
+            raise ConfigError(f"zero_optimization.mics_shard_size {cfg.zero.mics_shard_size} shards model "
+                              f"states within groups of that many ranks, but stage 0 shards nothing; set "
+                              f"zero_optimization.stage to 1, 2 or 3, or remove mics_shard_size")
+        if cfg.offload_casts != "host" and not cfg.zero.offload_optimizer:
+            raise ConfigError(f"zeroshard.offload_casts {cfg.offload_casts!r} says where an offloaded step "
+                              f"converts dtypes, but zero_optimization.offload_optimizer is off; add it or "
+                              f"remove offload_casts")
+        _check_zeropp(cfg)
         check_nvme(cfg)
         return cfg
+
+
+def _check_zeropp(cfg: Config) -> None:
+    """ZeRO++'s keys: stage 3 only (they change stage 3's gathers and reduce-scatter), not with MiCS,
+    and qgZ not with fp16 loss scaling."""
+    z = cfg.zero
+    used = [k for k, on in (("zero_hpz_partition_size", z.zero_hpz_partition_size > 1),
+                            ("zero_quantized_weights", z.zero_quantized_weights),
+                            ("zero_quantized_gradients", z.zero_quantized_gradients)) if on]
+    if used and cfg.stage != 3:
+        raise ConfigError(f"zero_optimization.{used[0]} is ZeRO++, which changes stage 3's parameter "
+                          f"gathers and gradient reduction; set zero_optimization.stage to 3 (got "
+                          f"{cfg.stage}) or remove {used[0]}")
+    if used and z.mics_shard_size > 0:
+        raise ConfigError(f"zero_optimization.{used[0]} (ZeRO++) with mics_shard_size: choose one way to "
+                          f"keep traffic inside nodes (MiCS or ZeRO++), not both")
+    if z.zero_quantized_gradients and cfg.precision == "fp16":
+        raise ConfigError("zero_optimization.zero_quantized_gradients with fp16 is not supported: int4 "
+                          "blocks of fp16 gradients scaled up by the loss scaler lose the small values the "
+                          "scaler exists to keep; use bf16, or remove zero_quantized_gradients")
+    if cfg.quantized_gradient_bits != 4 and not z.zero_quantized_gradients:
+        raise ConfigError("zeroshard.quantized_gradient_bits sets qgZ's codes, but "
+                          "zero_optimization.zero_quantized_gradients is off; add it or remove the bits")
+
+
+def _check_pipelined(cfg: Config) -> None:
+    """zeroshard.pipelined_update true: what it needs."""
+    needs = "it overlaps the host's optimizer step with the next forward"
+    if not cfg.zero.offload_optimizer:
+        raise ConfigError(f"zeroshard.pipelined_update: {needs}, so it needs zero_optimization."
+                          f"offload_optimizer {{\"device\": \"cpu\"}}; add it or remove pipelined_update")
+    if cfg.delayed_param_update:
+        raise ConfigError("zeroshard.pipelined_update and zeroshard.delayed_param_update both overlap the "
+                          "host update with the next step (pipelined: exactly; delayed: one update late); "
+                          "choose one")
+    if cfg.nvme.optimizer or cfg.nvme.params:
+        raise ConfigError("zeroshard.pipelined_update needs the model states in host memory, but an "
+                          "offload device is \"nvme\" (its step streams them through files); remove "
+                          "pipelined_update or offload to \"cpu\"")
 
 
 def _read_json(path: str) -> dict[str, Any]:

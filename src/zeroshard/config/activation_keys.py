@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sections import ActivationConfig, ConfigError, Settings
+from .sections import ActivationConfig, Settings, unknown_key
 from .values import as_bool, as_dict, as_int
 
 
@@ -26,5 +26,5 @@ def activations(cfg: Settings, value: Any) -> None:
         elif key in ("synchronize_checkpoint_boundary", "profile"):
             as_bool(name, v)
         else:
-            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ACTIVATION_ACCEPTED)}")
+            raise unknown_key(name, _ACTIVATION_ACCEPTED)
     cfg.activations = act

@@ -12,7 +12,7 @@ from .noop_keys import accept_no_op
 from .nvme_keys import NVME_KEYS, aio, nvme_key, set_device
 from .optimizer_keys import optimizer
 from .scheduler_keys import scheduler
-from .sections import DTYPES, ConfigError, ScalerConfig, Settings, ZeroConfig
+from .sections import DTYPES, ConfigError, ScalerConfig, Settings, ZeroConfig, unknown_key
 from .values import as_bool, as_dict, as_int, as_number, refuse_auto, refuse_true
 
 # DeepSpeed keys that exist there but are not implemented here (yet): refused by name.
@@ -27,8 +27,8 @@ _OFF_SECTIONS = ("amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
                  "autotuning", "elasticity")
 _NOT_IMPLEMENTED_ZERO = {
     "cpu_offload", "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights",
-    "zero_hpz_partition_size",
-    "zero_quantized_weights", "zero_quantized_gradients", "mics_shard_size", "ignore_unused_parameters",
+    "mics_hierarchical_params_gather",
+    "ignore_unused_parameters",
     "legacy_stage1", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
     "pipeline_loading_checkpoint", "override_module_apply", "module_granularity_threshold",
     "log_trace_cache_warnings", "stage3_module_granularity_threshold",
@@ -59,6 +59,14 @@ def _zero(cfg: Settings, value: Any) -> None:
             setattr(z, key, as_int(name, v, 0))
         elif key == "sub_group_size":
             z.sub_group_size = as_int(name, v, 1)
+        elif key == "mics_shard_size":  # DeepSpeed's -1 (or 0): off
+            z.mics_shard_size = as_int(name, v, -1)
+            if z.mics_shard_size == 0:
+                z.mics_shard_size = -1
+        elif key == "zero_hpz_partition_size":  # ZeRO++ hpZ (1: off)
+            z.zero_hpz_partition_size = as_int(name, v, 1)
+        elif key in ("zero_quantized_weights", "zero_quantized_gradients"):  # ZeRO++ qwZ, qgZ
+            setattr(z, key, as_bool(name, v))
         elif key in _COMPATIBLE:  # checked, with nothing to change here (docs/configuration.md)
             _COMPATIBLE[key](name, v)
         elif key == "offload_optimizer":
@@ -78,7 +86,7 @@ def _zero(cfg: Settings, value: Any) -> None:
         else:
             accepted = [f for f in ZeroConfig.__dataclass_fields__ if not f.startswith("offload_")]
             accepted += ["offload_optimizer", "offload_param", *_COMPATIBLE]
-            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+            raise unknown_key(name, accepted)
 
 
 def _enable_precision(cfg: Settings, name: str, enabled: Any) -> None:
@@ -139,7 +147,7 @@ def _refuse(name: str, deepspeed_keys: set[str], accepted: list[str]) -> None:
     if key in deepspeed_keys:
         raise ConfigError(f"config key '{name}' is a DeepSpeed key that zeroshard does not implement yet; "
                           f"remove it")
-    raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(accepted)}")
+    raise unknown_key(name, accepted)
 
 
 _NOT_IMPLEMENTED_FP16 = {"consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
@@ -219,7 +227,8 @@ def _wall_clock(cfg: Settings, value: Any) -> None:
 
 
 _ZEROSHARD_KEYS = ["check_collectives", "collective_timeout", "defer_param_gather", "delayed_param_update",
-                   "on_nonfinite", "unit_modules"]
+                   "offload_casts", "on_nonfinite", "pipelined_update", "quantized_gradient_bits",
+                   "ranks_per_node", "unit_modules"]
 
 
 def _zeroshard(cfg: Settings, value: Any) -> None:
@@ -227,6 +236,12 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
         name = f"zeroshard.{key}"
         if key in ("defer_param_gather", "delayed_param_update"):
             setattr(cfg, key, as_bool(name, v))
+        elif key == "quantized_gradient_bits":  # ZeRO++ qgZ's codes: int4 (as ZeRO++) or int8
+            cfg.quantized_gradient_bits = _choice(name, v, (4, 8))
+        elif key == "ranks_per_node":  # the node topology (comm/topology.py); else torchrun's
+            cfg.ranks_per_node = as_int(name, v, 1)
+        elif key == "pipelined_update":  # "auto": where it changes nothing a user sees (see Config)
+            cfg.pipelined_update = None if v == "auto" else as_bool(name, v)
         elif key == "unit_modules":
             cfg.unit_modules = _unit_modules(v)
         elif key == "check_collectives":  # true: every step; an integer K: every K steps
@@ -239,12 +254,18 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
         elif key == "collective_timeout":  # at most ~31 years: a timedelta holds it
             cfg.collective_timeout = as_number(name, v, 0.0, above=True, maximum=1e9, note="seconds")
         elif key == "on_nonfinite":
-            refuse_auto(name, v)
-            if v not in ("raise", "skip"):
-                raise ConfigError(f"config key '{name}' must be \"raise\" or \"skip\", got {v!r}")
-            cfg.on_nonfinite = v
+            cfg.on_nonfinite = _choice(name, v, ("raise", "skip"))
+        elif key == "offload_casts":  # where an offloaded gradient and update change dtype
+            cfg.offload_casts = _choice(name, v, ("host", "device"))
         else:
-            raise ConfigError(f"unknown config key '{name}'; accepted: {', '.join(_ZEROSHARD_KEYS)}")
+            raise unknown_key(name, _ZEROSHARD_KEYS)
+
+
+def _choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
+    refuse_auto(name, v)
+    if v not in choices:
+        raise ConfigError(f"config key '{name}' must be {' or '.join(repr(c) for c in choices)}, got {v!r}")
+    return v
 
 
 def _unit_modules(v: Any) -> list[str] | None:

@@ -27,10 +27,7 @@ NO_OP_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
         "round_robin_gradients": (False,),
         "elastic_checkpoint": (True, False),  # checkpoints load at any world size either way
         "load_from_fp32_weights": (True,),    # the fp32 masters are what a checkpoint restores
-        "zero_quantized_weights": (False,),
-        "zero_quantized_gradients": (False,),
-        "zero_hpz_partition_size": (1,),
-        "mics_shard_size": (-1,),
+        "mics_hierarchical_params_gather": (False,),
         "legacy_stage1": (False,),
         "cpu_offload": (False,),               # the old spelling of offload_optimizer
         "memory_efficient_linear": (True, False),  # DeepSpeed's own linear: a memory detail

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sections import ConfigError, Settings
+from .sections import ConfigError, Settings, unknown_key
 from .values import as_int
 
 # Keys of each offload section that only disk offload uses (accepted, and validated, with "cpu" too).
@@ -59,8 +59,7 @@ def aio(cfg: Settings, value: Any) -> None:
                                   "set it to false")
             cfg.nvme.aio[key] = v
         else:
-            raise ConfigError(f"unknown config key '{name}'; accepted: "
-                              f"{', '.join(_AIO_INTS + _AIO_BOOLS)}")
+            raise unknown_key(name, _AIO_INTS + _AIO_BOOLS)
 
 
 def check(cfg: Settings) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .sections import OPTIMIZERS, ConfigError, OptimizerConfig, Settings
+from .sections import OPTIMIZERS, ConfigError, OptimizerConfig, Settings, unknown_key
 from .values import as_bool, as_dict, as_number, refuse_auto
 
 
@@ -17,8 +17,7 @@ def optimizer(cfg: Settings, value: Any) -> None:
     section = as_dict("optimizer", value)
     extra = set(section) - {"type", "params"}
     if extra:
-        raise ConfigError(f"unknown config key(s) optimizer.{sorted(map(str, extra))[0]}; "
-                          f"accepted: type, params")
+        raise unknown_key(f"optimizer.{sorted(map(str, extra))[0]}", ["type", "params"])
     kind = section.get("type")
     refuse_auto("optimizer.type", kind)
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:

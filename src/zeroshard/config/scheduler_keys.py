@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sections import ConfigError, SchedulerConfig, Settings
+from .sections import ConfigError, SchedulerConfig, Settings, unknown_key
 from .values import as_dict, as_int, as_number, refuse_auto
 
 _WARMUP, _TOTAL = ("warmup_num_steps", "warmup_type"), ("total_num_steps",)
@@ -19,7 +19,7 @@ def scheduler(cfg: Settings, value: Any) -> None:
     section = as_dict("scheduler", value)
     for key in section:
         if key not in ("type", "params"):
-            raise ConfigError(f"unknown config key 'scheduler.{key}'; accepted: type, params")
+            raise unknown_key(f"scheduler.{key}", ["type", "params"])
     kind = section.get("type")
     if not isinstance(kind, str) or kind not in SCHEDULES:
         raise ConfigError(f"config key 'scheduler.type' is {kind!r}; zeroshard runs DeepSpeed's "
@@ -29,7 +29,7 @@ def scheduler(cfg: Settings, value: Any) -> None:
     for key, v in as_dict("scheduler.params", section.get("params", {})).items():
         name = f"scheduler.params.{key}"
         if key not in accepted:
-            raise ConfigError(f"unknown config key '{name}' for {kind}; accepted: {', '.join(accepted)}")
+            raise unknown_key(name, accepted, what=f" for {kind}")
         params[key] = _param(name, key, v)
     if missing := [k for k in required if k not in params]:
         raise ConfigError(f"config key 'scheduler.params.{missing[0]}' is required by {kind}")

@@ -5,14 +5,25 @@ loading in config/__init__.py. Nothing here imports from zeroshard.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
 
 class ConfigError(ValueError):
     """A config value zeroshard cannot honour; the message names the key and what is accepted."""
+
+
+def unknown_key(name: str, accepted: Iterable[str], what: str = "", listed: str = "accepted") -> ConfigError:
+    """The error for a key no section takes (usually a typo): the accepted keys, and the nearest
+    of them as "did you mean". `name` is the key's full dotted name."""
+    accepted, name = list(accepted), str(name)  # (a JSON-like dict may have any key)
+    prefix, _, key = name.rpartition(".")
+    near = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+    hint = f"; did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
+    return ConfigError(f"unknown config key '{name}'{what}{hint} ({listed}: {', '.join(accepted)})")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +54,10 @@ class ZeroConfig:
     offload_pin_memory: bool = False
     offload_param: bool = False                # stage 3: parameter shards at rest on the host
     offload_param_pin_memory: bool = False
+    mics_shard_size: int = -1                  # MiCS: shard over groups of this many ranks (-1: the world)
+    zero_hpz_partition_size: int = 1           # ZeRO++ hpZ: a secondary copy over this many ranks (1: off)
+    zero_quantized_weights: bool = False       # ZeRO++ qwZ: forward all-gathers in int8 blocks
+    zero_quantized_gradients: bool = False     # ZeRO++ qgZ: gradients reduced in int4 (or int8) blocks
 
 
 @dataclass
@@ -122,6 +137,10 @@ class Settings:
     unit_modules: list[str] | None = None      # class names that become units; None: automatic
     defer_param_gather: bool = False           # stages 1-2: post-step all-gather behind the next forward
     delayed_param_update: bool = False         # offload: the host step overlaps the next forward/backward
+    offload_casts: str = "host"                # offload: where 16-bit <-> fp32 casts happen (host, device)
+    pipelined_update: bool | None = None       # offload: the update overlaps the next forward (None: auto)
+    quantized_gradient_bits: int = 4           # ZeRO++ qgZ: int4 codes, or int8
+    ranks_per_node: int | None = None          # the node topology; None: torchrun's (else one node)
     check_collectives: int = 0                 # compare ranks' collective histories every K steps (0: off)
     collective_timeout: float = 600.0          # seconds a collective may wait before the stall is diagnosed
     on_nonfinite: str = "raise"                # bf16/fp32: a NaN/inf gradient "raise"s or "skip"s the step
@@ -135,6 +154,18 @@ class Settings:
     @property
     def overlap_comm(self) -> bool:
         return self.zero.overlap_comm
+
+    @property
+    def pipelined(self) -> bool:
+        """Does the offloaded host update run pipelined with the next forward (core/pipeline.py)?
+        Asked for, or "auto": where parameters are placeholders between step and forward anyway
+        (stage 3; stages 1-2 with defer_param_gather), the model states are in host memory (not in
+        files) and no delayed update runs."""
+        if self.pipelined_update is not None:
+            return self.pipelined_update
+        on_disk = self.nvme.optimizer or self.nvme.params
+        return self.zero.offload_optimizer and not self.delayed_param_update and not on_disk \
+            and (self.stage == 3 or self.defer_param_gather)
 
     def dtype(self, name: str | None) -> torch.dtype:
         return DTYPES[name or self.precision]

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..comm import buckets
 from ..comm.buckets import Pending, complete
+from ..offload import host_step
 from ..common.states import move
 from ..parallel.dtensor import laid_out
 
@@ -86,6 +87,13 @@ class FlatGrad:
     def _init_grads(self) -> None:
         self.grad_state = GradState.EMPTY
         self.grads = GradData()
+        self.pending: Any = None  # a pipelined update of this buffer in flight (pipeline.Pending)
+
+    def wait_update(self, raise_error: bool = True) -> None:
+        """Wait for this buffer's pipelined update (pipeline.py), if one is in flight; its error is
+        raised unless `raise_error` is False (backward hooks: kept for the next call that may)."""
+        if self.pending is not None:
+            self.pending.wait(self, raise_error)
 
     def _allocate_grads(self) -> None:
         """A trainable buffer's gradient storage at stages 0-1: the full buffer, lasting, with the
@@ -214,14 +222,20 @@ class FlatGrad:
         """Wait for issued reductions, in order, and apply what follows each (copy back, add)."""
         complete(self.grads.inflight)
 
-    def _grad_will_change(self) -> None:
+    def _grad_will_change(self, in_place: bool = True) -> None:
+        """The reduced gradient is about to change: written in place (a reduction, zeroing), or
+        (stages 2-3 after the step) dropped, which a pipelined update that took it does not mind."""
         if self.host is not None:
             self.host.before_device_grad_changes()  # an offload may still be reading it
+            if in_place and self.copier.one_memory:  # so may a pipelined update (never raises here:
+                self.wait_update(raise_error=False)  # this may run in a backward hook)
         self.grads.version += 1
 
     def offload_grad(self) -> None:
-        """offload_optimizer: start copying the reduced gradient to the host (its reductions done)."""
+        """offload_optimizer: start copying the reduced gradient to the host (its reductions done;
+        a pipelined update still reading the host copy first ends)."""
         if self.host is not None:
+            self.wait_update(raise_error=False)
             self.host.offload(self.local_grad(), self.grads.version)
 
     def local_grad(self) -> torch.Tensor:
@@ -241,10 +255,32 @@ class FlatGrad:
     def clear_step_grad(self) -> None:
         self.opt_param.grad = None  # a copy, if one was made, is freed here
 
+    def step_on_host(self, optimizer: torch.optim.Optimizer, factor: float, scratch: torch.Tensor,
+                     write: bool, grad: torch.Tensor | None = None, group: dict | None = None) -> bool:
+        """The step of an offloaded buffer in one pass over host memory (offload/host_step.py): the
+        optimizer's update of the master by `factor` x the host gradient (or `grad`, taken earlier),
+        and, with `write`, the compute-dtype copy written into write_back_target() as it goes.
+        `group`: hyperparameters (host_step.update). Returns whether the copy was written."""
+        out = self.write_back_target() if write else None
+        grad = grad if grad is not None else self.host.grad
+        host_step.update(optimizer, self.opt_param, grad, factor, out, scratch, group)
+        return out is not None
+
     def wait_offload(self) -> None:
         """offload_optimizer: wait until the host holds this step's reduced gradient."""
         if self.host is not None:
             self.host.wait_offload(self.local_grad(), self.grads.version)
+
+    def average_over_replicas(self) -> None:
+        """MiCS: the reduced shard averaged over the replicas, which hold the same shard of the
+        other copies of the model (their shard groups averaged their own ranks'): the world's mean.
+        A copy offloaded early (during backward) is superseded: the version moves on."""
+        if not self.trainable or self.comm.replicas == 1:
+            return
+        self.wait_reduce()
+        self._grad_will_change()
+        with self.comm.about(self.label):
+            self.comm.all_reduce_replicas(self.local_grad())
 
     def reduce_late(self) -> None:
         """Stages 0-1: average the gradients of a backward that came after this step's reduction
@@ -271,7 +307,7 @@ class FlatGrad:
 
     def zero_grad(self) -> None:
         if self.trainable:
-            self._grad_will_change()
+            self._grad_will_change(in_place=not self.policy.shard_grads)
         if self.policy.shard_grads:
             self.grads.shard = None  # freed (an offload of it was waited for just above)
             if self.host is not None:

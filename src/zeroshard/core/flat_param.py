@@ -17,11 +17,12 @@ Invariants (N ranks, S = shard size, rank r owns elements [r*S, (r+1)*S) of the 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..comm import buckets
+from ..comm import buckets, quantized
 from ..comm.buckets import Pending, complete
 from ..comm.collectives import Comm
 from ..common.states import move
@@ -39,12 +40,15 @@ class ParamState(Enum):
     UNSHARDING = "unsharding"  # an all-gather into `full` is in flight (prefetch; after the step until
                              # it ends, or the next forward with defer_param_gather); placeholders
     UNSHARDED = "unsharded"    # `full` is allocated and current; module parameters view it
+    UPDATING = "updating"    # kept gathered, and a pipelined update (pipeline.py) is changing the
+                             # shard: `full` is stale until its first use gathers it; placeholders
 
 
 _PARAM_MOVES = {
     ParamState.SHARDED: {ParamState.UNSHARDING},
     ParamState.UNSHARDING: {ParamState.UNSHARDED, ParamState.SHARDED},
-    ParamState.UNSHARDED: {ParamState.SHARDED, ParamState.UNSHARDING},
+    ParamState.UNSHARDED: {ParamState.SHARDED, ParamState.UNSHARDING, ParamState.UPDATING},
+    ParamState.UPDATING: {ParamState.UNSHARDING},
 }
 
 
@@ -83,6 +87,7 @@ class FlatParam(FlatGrad):
         self.host: HostCopies | None = None  # offload_optimizer: the gradient's and update's host copies
         self.state = ParamState.UNSHARDED
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
+        self.pipeline: Any = None  # the engine's PipelinedUpdate (pipeline.py), if it pipelines
         self._placeholder = Placeholders(self.full.dtype, self.full.device)  # a write into one is refused
         # Each parameter's view of `full`, made once: `full` keeps one storage, resized in place by
         # reshard() and start_unshard(), so the views stay valid (stage 3 points parameters at them each
@@ -93,6 +98,7 @@ class FlatParam(FlatGrad):
         self.master: torch.Tensor | None = None
         self.opt_param: nn.Parameter | None = None
         self._gathering: Pending = []  # an all-gather issued (a prefetch, or after the step)
+        self.secondary: torch.Tensor | None = None  # hpZ: 1/k of what forward gathered (comm/zeropp.py)
         self._init_grads()
         if trainable:
             self._init_trainable(owned)  # before reshard(): `owned` may share storage with `full`
@@ -110,6 +116,7 @@ class FlatParam(FlatGrad):
                 self.comm.broadcast(source, 0)  # every rank starts from rank 0's values, as DDP does
                 if not self.tp_sharded:
                     self.comm.broadcast_tp(source)  # and a replicated parameter from tp rank 0's
+                self.comm.broadcast_replicas(source)  # MiCS: every copy from replica 0's
         return source
 
     def _init_trainable(self, owned_source: torch.Tensor) -> None:
@@ -119,7 +126,7 @@ class FlatParam(FlatGrad):
         if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
             self.master = self.copier.new_master(owned_source, p.pin_memory)  # host memory, or a file
             self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype,
-                                   None if self.shard_on_host else p.param_dtype)
+                                   None if self.shard_on_host else p.param_dtype, self.master)
         elif p.separate_master:
             self.master = owned_source.to(torch.float32, copy=True)
         else:
@@ -140,9 +147,21 @@ class FlatParam(FlatGrad):
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")
 
     def start_unshard(self) -> None:
-        """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm)."""
-        if self.state is ParamState.SHARDED:
+        """Issue the all-gather of `full` without waiting (stage 3 with overlap_comm; a buffer
+        whose pipelined update makes it stale: after those ahead of it, pipeline.issue_before)."""
+        if self.state is ParamState.UPDATING:
+            self.pipeline.issue_before(self)
             self.issue_unshard()
+        elif self.state is ParamState.SHARDED:
+            self.issue_unshard()
+
+    def start_unshard_updated(self) -> None:
+        if self.state is ParamState.UPDATING:
+            self.issue_unshard()
+
+    def finish_unshard_updated(self) -> None:
+        if self.state is ParamState.UNSHARDING and self.persistent:
+            self.unshard()
 
     def issue_unshard(self) -> None:
         """Issue the all-gather of `full`: left in flight (UNSHARDING), except a post-step gather
@@ -154,7 +173,21 @@ class FlatParam(FlatGrad):
                     len(self.layout.shard_chunks(self.buckets.gather)) > 1:
                 self._all_gather(self.full, shard)
                 return
-            self.mark_unsharding(self._all_gather(self.full, shard, async_op=True))
+            self.mark_unsharding(self._unshard_gather(shard))
+
+    def _unshard_gather(self, shard: torch.Tensor) -> Pending:
+        """Issue the gather that makes `full` current: from hpZ's secondary shards (inside the node)
+        where forward left them, quantized (qwZ) in forward, else exact and left in flight."""
+        pp = self.comm.zeropp
+        if pp is not None and pp.changes_gathers and not self.persistent:
+            with self.comm.about(self.label):
+                if self.secondary is not None:
+                    quantized.gather_secondary(self.comm, self.full, self.secondary)
+                    return []
+                if pp.weight_bits and torch._C._current_graph_task_id() == -1:  # forward, not backward
+                    quantized.gather_quantized(self.comm, self.full, shard)
+                    return []
+        return self._all_gather(self.full, shard, async_op=True)
 
     def outgoing_shard(self) -> torch.Tensor:
         """The shard a gather sends (a freed buffer first gets its storage back: a prefetch)."""
@@ -183,7 +216,9 @@ class FlatParam(FlatGrad):
     def _shard_on_device(self) -> torch.Tensor:
         """The shard, ready for a collective to read: a host shard is copied up into its own place
         in `full` (the all-gather then runs in place), as is the master cast to 16 bits where no
-        shard is kept; a written-back update is waited for."""
+        shard is kept; a written-back update is waited for, and a pipelined update before it
+        (not raising its error inside backward, where one rank leaving would strand its peers)."""
+        self.wait_update(raise_error=torch._C._current_graph_task_id() == -1)
         if self.shard is None:
             own = self.full[self.range[0]:self.range[1]]
             own.copy_(self.master)
@@ -211,12 +246,18 @@ class FlatParam(FlatGrad):
             self._point_params_at_full()
             self._set_state(ParamState.UNSHARDED)
 
-    def reshard(self) -> None:
-        """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently."""
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently.
+        `keep_secondary` (the end of a unit's forward): with hpZ, keep this rank's 1/k of `full`
+        for backward's gather inside the node."""
         if self.persistent or self.state is ParamState.SHARDED:
             return
         complete(self._gathering)  # an all-gather in flight must land before its storage goes
         self.refuse_replaced()  # (their values would be lost unseen)
+        pp = self.comm.zeropp
+        if keep_secondary and pp is not None and pp.secondary is not None and self.secondary is None:
+            a, b = quantized.secondary_range(pp, self.full.numel())
+            self.secondary = self.full[a:b].clone()
         self._placeholder.point(self.params, self.specs)
         self.full.untyped_storage().resize_(0)
         self._set_state(ParamState.SHARDED)
@@ -275,24 +316,72 @@ class FlatParam(FlatGrad):
         if self.write_back_shard():
             self.issue_unshard()
 
-    def write_back_shard(self) -> bool:
+    def write_back_shard(self, written: bool = False) -> bool:
         """Copy the master's new values into what the parameters are computed from (the shard, or
-        `full` at stage 0). Returns whether `full` must then be all-gathered (write_back)."""
-        updated = self.shard if self.policy.shard_optimizer else self.full
+        `full` at stage 0). `written`: the step already wrote them into write_back_target() (the
+        step in one pass); only what follows is left (sending them up). Returns whether `full`
+        must then be all-gathered (write_back)."""
+        self._values_change()
+        self.send_values(written)
+        return self.policy.shard_optimizer and self.persistent
+
+    def drop_secondary(self) -> None:
+        """hpZ's secondary shard holds the values before a change: gone with them."""
+        self.secondary = None
+
+    def _values_change(self) -> None:
+        self.drop_secondary()
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
         torch.autograd.graph.increment_version(self.params)
         if self.state is not ParamState.UNSHARDED:  # placeholders: this bump is no user's write
             self._placeholder.note(self.params)
+
+    def begin_update(self, pending: Any) -> None:
+        """A pipelined update of this buffer starts (pipeline.py), on the caller's thread: what
+        autograd sees changes now; a `full` kept gathered is stale until gathered again."""
+        self._values_change()
+        self.pending = pending
+        if self.policy.shard_optimizer and self.persistent:
+            self._placeholder.point(self.params, self.specs)  # stray reads fail loudly
+            self._set_state(ParamState.UPDATING)
+
+    def send_values(self, written: bool, after: Any = None) -> None:
+        """The master's new values on their way into the shard (write_back_shard's data movement;
+        a pipelined update's worker runs it, its copies up ordered `after` a CUDA event)."""
+        updated = self.shard if self.policy.shard_optimizer else self.full
         with torch.no_grad():
             if self.master is not updated and self.host is not None and not self.shard_on_host:
-                self.host.write_back(self.master, updated)  # by way of a pinned buffer, asynchronously
-            elif self.master is not updated and self.shard_on_host:
+                if written:
+                    self.host.send(updated, after)  # by way of a pinned buffer, asynchronously
+                else:
+                    self.host.write_back(self.master, updated, after)
+            elif self.master is not updated and self.shard_on_host and not written:
                 self.await_host_read()
                 self.copier.write_shard(updated, self.master)  # host memory, or its file
-            elif self.master is not updated and updated is not None:  # (None: cast at the next gather)
-                updated.copy_(self.master)
-        return self.policy.shard_optimizer and self.persistent
+            elif self.master is not updated and updated is not None and not written:  # (None: cast at
+                updated.copy_(self.master)                                              # the next unshard)
+
+    def write_back_target(self) -> torch.Tensor | None:
+        """Where the step may write the updated master's compute-dtype copy as it updates, on the
+        host (offload/host_step.py): the host staging buffer (on one memory, the shard itself), or
+        an offloaded parameter shard in host memory. None where the master is what the parameters
+        compute with, or the copy goes elsewhere (a file, the device): write_back_shard does it."""
+        updated = self.shard if self.policy.shard_optimizer else self.full
+        if self.master is updated or updated is None:
+            return None
+        if self.host is not None and not self.shard_on_host:
+            return self.host.write_back_target(updated)
+        if self.shard_on_host and self.shard.device.type == "cpu" and not self.copier.on_disk(self.shard):
+            self.await_host_read()  # the last unshard's copy up may still read it
+            return self.shard
+        return None
+
+    def before_master_changes(self) -> None:
+        """The master is about to be written (the step, a load): a copy up still reading it ends first."""
+        self.drop_secondary()
+        if self.host is not None:
+            self.host.before_master_changes()
 
     def wait_write_back(self) -> None:
         """Complete the all-gather write_back() issued, unless the next forward is to."""

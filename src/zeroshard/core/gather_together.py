@@ -1,6 +1,6 @@
 """Several small flat buffers' all-gathers sent as one collective.
 
-Why: a gloo collective costs a fixed ~0.3 ms of CPU beside its bytes (the worker thread's hand-off,
+Why: a gloo collective costs a fixed amount of CPU beside its bytes (the worker thread's hand-off,
 its syscalls), and on a machine with as many busy cores as ranks that cost is paid in wall time.
 A model of small units (the CPU benchmarks' GPT: 0.2M elements a block) then spends more on the
 fixed costs than on the bytes. Buffers that are due at the same moment (the first units of a
@@ -34,7 +34,8 @@ def runs(flats: list[FlatParam]) -> list[list[FlatParam]]:
     for f in flats:
         last = runs[-1][-1] if runs else None
         limit = min(TOGETHER_NUMEL, f.buckets.gather)
-        if last is None or total + f.layout.padded_numel > limit or f.full.dtype != last.full.dtype \
+        alone = f.comm.zeropp is not None and f.comm.zeropp.changes_gathers  # ZeRO++: its own gathers
+        if last is None or alone or total + f.layout.padded_numel > limit or f.full.dtype != last.full.dtype \
                 or f.comm is not last.comm:
             runs.append([])
             total = 0
@@ -71,10 +72,12 @@ def prefetch_flats(flats: list[FlatParam]) -> None:
     unshard_flats([f for f in flats if f.state is ParamState.SHARDED])
 
 
-def write_back_together(flats: list[FlatParam], in_flight: list[Pending]) -> None:
+def write_back_together(flats: list[FlatParam], in_flight: list[Pending],
+                        written: frozenset[FlatParam] = frozenset()) -> None:
     """FlatParam.write_back() for every buffer, their all-gathers issued together where small.
     wait_write_back() (or, with gather_behind_forward, the next forward) completes them.
     `in_flight`: the step's runs in flight, shared by its sub-groups' calls (a model of many small
-    buffers: MOST_IN_FLIGHT buckets at once, not a second copy of its parameters)."""
-    due = [f for f in flats if f.write_back_shard()]
+    buffers: MOST_IN_FLIGHT buckets at once, not a second copy of its parameters). `written`: the
+    buffers whose compute-dtype copy the step wrote as it updated (write_back_shard's `written`)."""
+    due = [f for f in flats if f.write_back_shard(written=f in written)]
     unshard_flats(due, in_flight)

@@ -25,11 +25,13 @@ def _inflight_bytes(flat: FlatParam) -> int:
 
 def temporary_bytes(flat: FlatParam) -> int:
     """The temporaries alive now: a gathered buffer (stage 3), a full-size gradient (stages 2-3),
-    inputs of reductions in flight. (Sampled after every gather: kept to a few attribute reads.)"""
+    inputs of reductions in flight, hpZ's secondary shard. (Sampled after every gather: kept to a
+    few attribute reads.)"""
     gathered = flat.policy.shard_params and not flat.persistent and flat.state is not ParamState.SHARDED
     return (_nbytes(flat.full) if gathered else 0) \
         + (_nbytes(flat.grads.full) if flat.policy.shard_grads else 0) \
-        + (_inflight_bytes(flat) if flat.grads.inflight else 0)
+        + (_inflight_bytes(flat) if flat.grads.inflight else 0) \
+        + (_nbytes(flat.secondary) if flat.secondary is not None else 0)  # hpZ: forward to step
 
 
 def buffer_bytes(flat: FlatParam) -> dict[str, int]:

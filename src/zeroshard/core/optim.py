@@ -30,8 +30,7 @@ _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.opt
 
 def warn_if_slow(optimizer: torch.optim.Optimizer) -> None:
     """Once per optimizer class: an Adam-family optimizer over host shards without the fused CPU
-    kernel runs several times slower (foreach: 1.13 s against 0.21 s per step over 1.1e9 fp32
-    elements on 16 cores)."""
+    kernel runs several times slower (benchmarks/host_step.py times the fused kernel)."""
     name = type(optimizer).__name__
     slow = isinstance(optimizer, _FUSED_ON_CPU) and not optimizer.defaults.get("fused")
     if slow and name not in _SLOW_WARNED:

@@ -46,7 +46,7 @@ class Placeholders:
         expected = views or [self.empty] * len(params)
         # By memory and dtype (a replacement is new memory, but empty ones share address 0: an empty
         # placeholder cast by `model.half()` differs in dtype only). This runs at every gather and
-        # free, so it must cost little (0.4 us a parameter here).
+        # free, so it must cost little (benchmarks/unit_overhead.py times the hooks around it).
         replaced = [slot.names[0] for p, e, slot in zip(params, expected, slots)
                     if (t := local_of(p)).data_ptr() != e.data_ptr() or t.dtype != e.dtype]
         if replaced:

@@ -29,20 +29,20 @@ def gathering_limits(prefetch_numel: Window, reuse_numel: int | None, prefetch: 
                      device_type: str) -> GatherLimits:
     """From stage3_prefetch_bucket_size and stage3_max_reuse_distance, or where unset, the backend's.
 
-    On CUDA: the next unit prefetched and none kept for backward, as FSDP2 does: a gather there
-    costs little beside its bytes, and memory is what binds. On gloo a collective costs a fixed
-    ~0.3 ms of CPU beside its bytes, which overlap does not hide on busy cores, and a model of small
-    units paid it once a unit, in forward and again in backward. There, with prefetch on, a
-    constant-size window of TOGETHER_NUMEL elements (4 MiB of fp32): forward prefetches the units
-    that run next while they fit it (gather_together sends them as one collective), and a unit whose
-    later units fit it stays gathered into backward (a reuse distance of twice that: their forward
-    and backward), so such a model is gathered once a step. Backward still prefetches one unit at a
-    time: which unit backward reaches first can depend on the data (an output in the loss of some
-    ranks only), and gathers of one unit keep such ranks' collectives alike in size, so the
-    divergence check names the cause where wider ones made gloo abort on a size mismatch first.
-    Memory still does not grow with the model; a model of larger units (a GPT-2 block has 7M
-    elements) is gathered as on CUDA, but for the tail. Without prefetch (overlap_comm false, or a
-    window of 0) nothing is kept: the paper's profile, the least memory."""
+    On CUDA: the next unit prefetched and none kept for backward, as FSDP2 does: a gather there costs
+    little beside its bytes, and memory is what binds. On gloo a collective costs a fixed amount of CPU
+    beside its bytes (benchmarks/gloo_collectives.py), which overlap does not hide on busy cores, and a
+    model of small units paid it once a unit, in forward and again in backward. There, with prefetch on,
+    a constant-size window of TOGETHER_NUMEL elements (4 MiB of fp32): forward prefetches the units that
+    run next while they fit it (gather_together sends them as one collective), and a unit whose later
+    units fit it stays gathered into backward (a reuse distance of twice that: their forward and
+    backward), so such a model is gathered once a step. Backward still prefetches one unit at a time:
+    which unit backward reaches first can depend on the data (an output in the loss of some ranks only),
+    and gathers of one unit keep such ranks' collectives alike in size, so the divergence check names
+    the cause where wider ones made gloo abort on a size mismatch first. Memory still does not grow with
+    the model; a model of larger units (a GPT-2 block has 7M elements) is gathered as on CUDA, but for
+    the tail. Without prefetch (overlap_comm false, or a window of 0) nothing is kept: the paper's
+    profile, the least memory."""
     gloo = device_type != "cuda"
     window = gather_together.TOGETHER_NUMEL  # read now: one knob for the run limit and the window
     if gloo and prefetch_numel is None:
@@ -81,12 +81,11 @@ class UnitOrder:
         self.previous: list[Unit] = []  # the last complete forward
         self.current: list[Unit] = []   # this forward, so far
         self._backward_at = 0           # where backward has reached in `current`
-        # Read off `previous` once a forward, so each unit's decisions cost O(1), not O(units) (a
-        # 96-block forward took 87-92 ms walking every unit at every unit, 60-71 ms without, two runs
-        # each: benchmarks/unit_overhead.py). _last_at: a unit's last position; _after[i], _units_after[i]:
-        # elements and number of the distinct units in previous[i:]; _next_at[i]: the next position of
-        # the unit at i (None after its last); _ran_before[i]: elements run in previous[:i], each
-        # time a unit runs; _known_numel: of every unit seen.
+        # Read off `previous` once a forward, so each unit's decisions cost O(1), not O(units)
+        # (benchmarks/unit_overhead.py: flat across depths). _last_at: a unit's last position;
+        # _after[i], _units_after[i]: elements and number of the distinct units in previous[i:];
+        # _next_at[i]: the next position of the unit at i (None after its last); _ran_before[i]:
+        # elements run in previous[:i], each time a unit runs; _known_numel: of every unit seen.
         self._last_at: dict[Unit, int] = {}
         self._after: list[int] = [0]
         self._units_after: list[int] = [0]

@@ -25,12 +25,14 @@ import torch
 
 from ..comm.collectives import Comm
 from ..common.states import temporarily
+from ..offload import host_step
 from ..offload.host import Copier
 from ..offload.nvme import stream_groups
 from .flat_param import FlatParam
 from .gather_together import write_back_together
 from .nonfinite import NonFiniteGuard
 from .optim import has_user_step_hooks
+from .pipeline import PipelinedUpdate
 from .precision import LossScaler
 
 
@@ -48,6 +50,7 @@ class StepInputs:
     delayed: Copier | None = None  # zeroshard.delayed_param_update: the copier whose worker runs it
     after_update: Callable[[], None] = lambda: None  # after a real update (the lr scheduler)
     guard: NonFiniteGuard | None = None  # bf16/fp32: non-finite gradients raise or skip
+    pipeline: PipelinedUpdate | None = None  # zeroshard.pipelined_update: the update overlaps the forward
 
 
 def sharded_step(inputs: StepInputs, step: int) -> float:
@@ -63,7 +66,9 @@ def sharded_step(inputs: StepInputs, step: int) -> float:
 
     With `delayed` (ZeRO-Offload's delayed parameter update), the parameters first take the update
     of the previous step, then this step's update starts on a worker thread and overlaps the next
-    forward and backward: the gradient of step t is computed with the weights of step t-1.
+    forward and backward: the gradient of step t is computed with the weights of step t-1. With a
+    `pipeline`, this step's update starts on a worker thread and each buffer's next use waits for
+    its own part (pipeline.py): the same step as the sequential one, overlapped.
 
     Without a loss scaler, `guard` (nonfinite.py) turns a non-finite norm (or loss) into an error
     or a skipped step; with one, an overflow skips the step and lowers the scale.
@@ -75,15 +80,18 @@ def sharded_step(inputs: StepInputs, step: int) -> float:
     if guard is not None and delayed is None and \
             decides_on_device(inputs.optimizer, trainable, squares.device):  # see the design notes
         return _step_deciding_on_device(inputs, trainable, squares, guard, step)
-    norm = squares.sqrt().item() / scaler.scale
+    unscaled = squares.sqrt() / scaler.scale if scaler.enabled else squares.sqrt()
+    norm = unscaled.item()
     nonfinite = not math.isfinite(norm)
     overflow = scaler.enabled and nonfinite
     if scaler.enabled:
         scaler.update(overflow, step)
-    # Offload: wait for the gradients on the host, on this thread (never the worker's: the copies
-    # are this thread's). This also outlasts every gather of backward that read a host shard, so
-    # the delayed write-back below may write the shards.
-    for f in trainable:
+    pipeline = inputs.pipeline if inputs.pipeline is not None and delayed is None and \
+        inputs.pipeline.applies(inputs.optimizer, trainable, has_user_step_hooks(inputs.optimizer)) else None
+    # Offload: wait for the gradients on the host, on this thread (never the delayed update's: the
+    # copies are this thread's). This also outlasts every gather of backward that read a host shard,
+    # so the delayed write-back below may write the shards. (A pipelined update waits for each.)
+    for f in trainable if pipeline is None else []:
         f.wait_offload()
     if delayed is not None:
         delayed.finish_update()
@@ -98,8 +106,12 @@ def sharded_step(inputs: StepInputs, step: int) -> float:
             return norm
         guard.end_cycle()
     factor = 1.0 / scaler.scale
-    if inputs.max_norm > 0:
-        factor *= min(1.0, inputs.max_norm / (norm + 1e-6))
+    if inputs.max_norm > 0:  # the same fp32 coefficient as the device's decision computes
+        factor *= clip_coefficient(unscaled, inputs.max_norm).item()
+    if pipeline is not None:  # returns at once: the next forward waits for each buffer's update
+        pipeline.start(trainable, inputs.optimizer, factor, step)
+        inputs.after_update()  # (the update took a copy of the hyperparameters)
+        return norm
     update = partial(_update, trainable, inputs.optimizer, factor, inputs.sub_group_size)
     if delayed is None:
         update(write_back=True)
@@ -117,9 +129,8 @@ def _step_deciding_on_device(inputs: StepInputs, trainable: list[FlatParam], squ
     found_inf = (~torch.isfinite(norm_t)).float()
     norm_later = _read_later(norm_t)
     factor: float | torch.Tensor = 1.0
-    if inputs.max_norm > 0:  # as clip_grad_norm_: fp32, clamped to 1; x1 where the step is skipped,
-        clip = (inputs.max_norm / (norm_t + 1e-6)).clamp(max=1.0)  # so its fp32 gradient is kept
-        factor = torch.where(found_inf > 0, 1.0, clip)
+    if inputs.max_norm > 0:  # x1 where the step is skipped, so its fp32 gradient is kept
+        factor = torch.where(found_inf > 0, 1.0, clip_coefficient(norm_t, inputs.max_norm))
     for f in trainable:
         f.wait_offload()
     optimizer = inputs.optimizer
@@ -137,17 +148,25 @@ def _step_deciding_on_device(inputs: StepInputs, trainable: list[FlatParam], squ
     return norm
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """By how much gradients are scaled to a global norm of `max_norm`: as clip_grad_norm_, in the
+    norm's fp32, clamped to 1. Both ways of deciding compute it so, so they clip to the same bits."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
 def decides_on_device(optimizer: torch.optim.Optimizer, trainable: list[FlatParam],
                       device: torch.device) -> bool:
     """Whether the optimizer can skip a step on the device (see the design notes): torch's own
     fused Adam or AdamW (a subclass may step otherwise and ignore `found_inf`), fused in every
     group (a group that is not refuses `found_inf`), with no step hooks but zeroshard's (the host
-    path calls none on a skipped step), over shards on the norm's device (not offloaded)."""
+    path calls none on a skipped step), over shards on the norm's device and not offloaded (an
+    offloaded step runs on the host, which decides there: on a CPU group too, where host and
+    device are one memory, so the CPU runs the path a GPU's offload runs)."""
     return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
             and all(group.get("fused") for group in optimizer.param_groups)
             and getattr(optimizer, "_step_supports_amp_scaling", False)
             and not has_user_step_hooks(optimizer)
-            and all(f.opt_param.device == device for f in trainable))
+            and all(f.host is None and f.opt_param.device == device for f in trainable))
 
 
 def _read_later(value: torch.Tensor) -> Callable[[], float]:
@@ -188,7 +207,7 @@ def squared_norm(grad: torch.Tensor) -> torch.Tensor:
     """The fp32 sum of squares of `grad`, without an fp32 copy of the whole shard. On a GPU one
     norm kernel reads 16-bit input straight into fp32 accumulators. On the CPU a 16-bit reduction
     copies its input first and vector_norm sums 1e8 floats 2% off, so the squares are summed
-    chunk by chunk: a 16 MiB temporary, and ~4x faster than one pass over a large buffer."""
+    chunk by chunk: a 16 MiB temporary, which also reads the buffer in cache-sized pieces."""
     if grad.is_cuda:
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     total = torch.zeros((), dtype=torch.float32, device=grad.device)
@@ -200,19 +219,30 @@ def squared_norm(grad: torch.Tensor) -> torch.Tensor:
 def _update(trainable: list[FlatParam], optimizer: torch.optim.Optimizer, factor: float | torch.Tensor,
             sub_group_size: int, write_back: bool) -> None:
     """Step the optimizer one sub-group at a time (DeepSpeed's sub_group_size bounds the fp32
-    gradient copies alive at once), writing each back unless the caller does so later."""
+    gradient copies alive at once), writing each back unless the caller does so later. Offloaded
+    buffers under torch's fused Adam/AdamW step on the host in one pass (offload/host_step.py);
+    the others through optimizer.step(), with an fp32 gradient each."""
     groups = stream_groups(sub_groups(trainable, sub_group_size), optimizer)  # disk offload: streamed
     in_flight: list = []  # the post-step gathers in flight, over every sub-group
+    folds = isinstance(factor, float) and host_step.folds(optimizer, has_user_step_hooks(optimizer))
+    on_host = {f for f in trainable if f.host is not None} if folds else set()
+    scratch = host_step.scratch_for() if on_host else None
     try:
         for group in groups:
-            for f in group:  # fp32 gradient copies for one sub-group at a time
-                f.set_step_grad(factor)
-            with temporarily(optimizer, "_zeroshard_stepping", True):
-                optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
             for f in group:
+                f.before_master_changes()
+            written = frozenset(f for f in group if f in on_host and
+                                f.step_on_host(optimizer, factor, scratch, write_back))
+            stepped = [f for f in group if f not in on_host]
+            for f in stepped:  # fp32 gradient copies for one sub-group at a time
+                f.set_step_grad(factor)
+            if stepped:
+                with temporarily(optimizer, "_zeroshard_stepping", True):
+                    optimizer.step()  # steps only the parameters that have a gradient: this sub-group's
+            for f in stepped:
                 f.clear_step_grad()
             if write_back:  # issues the post-step all-gathers (stages 1-2): in flight as we go on
-                write_back_together(group, in_flight)
+                write_back_together(group, in_flight, written)
     finally:  # even if a step failed (out of memory): no parameter is left a placeholder
         groups.close()
         for f in trainable:

@@ -182,11 +182,11 @@ class Unit:
         for f in self.flats:
             f.start_unshard()
 
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         if self.edits is not Edits.NONE:  # inside gathered_parameters(): a forward there (rank 0
             return                        # generating alone, say) gathers and frees nothing
         for f in self.flats:
-            f.reshard()
+            f.reshard(keep_secondary)
 
     def maybe_reshard(self) -> None:
         """Free during backward once every gradient is reduced *and* backward has moved past this
@@ -239,7 +239,8 @@ class Unit:
             self.reshard()  # no backward follows this forward (an earlier one re-gathers on its own)
             return
         if not self.is_root and not order.keeps_for_backward(self):
-            self.reshard()  # (a unit backward needs first, or soon, stays: it would be gathered right back)
+            self.reshard(keep_secondary=True)  # (a unit backward needs first, or soon, stays: it would be
+            # gathered right back; hpZ keeps a secondary shard for backward's gather inside the node)
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:  # the root too: a no_grad forward in between may have freed it
             torch.autograd.graph.register_multi_grad_hook(

@@ -6,11 +6,14 @@ import hashlib
 import json
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from ..comm.collectives import Comm
-from ..config import Config
+from ..comm.topology import Topology
+from ..comm.zeropp import check_zeropp
+from ..config import Config, ConfigError
 
 
 class ModelMismatchError(RuntimeError):
@@ -116,3 +119,17 @@ def _agree(comm: Comm, signature: list[str], what: str, fix: str) -> None:
     detail = (f"rank 0 has '{diff[0]}', rank {rank} has '{diff[1]}'" if diff else
               f"rank 0 has {len(ours)} entries, rank {rank} has {len(theirs)}")
     raise ModelMismatchError(f"ranks disagree on {what}: {detail}. {fix}")
+
+
+def check_zeropp_layout(config: Config, axes, topology: Topology) -> None:
+    """ZeRO++ runs over the whole world in nodes (local checks, alike on every rank, before any
+    collective): not beside tensor parallelism or a given mesh, hpZ's partition inside a node."""
+    z = config.zero
+    if z.zero_hpz_partition_size <= 1 and not z.zero_quantized_weights and not z.zero_quantized_gradients:
+        return
+    if axes.dp_group is not None or axes.tp_size > 1:
+        raise ConfigError("ZeRO++ (zero_hpz_partition_size, zero_quantized_weights, "
+                          "zero_quantized_gradients) "
+                          "runs over every rank: it is not built for a mesh= or process_group= given to "
+                          "initialize (tensor parallelism, MiCS); remove the ZeRO++ keys or the mesh")
+    check_zeropp(z.zero_hpz_partition_size, topology, dist.get_world_size())

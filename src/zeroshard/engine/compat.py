@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.export import write_weights
+
 logger = logging.getLogger("zeroshard")
 
 _INSTEAD = {
@@ -152,7 +154,7 @@ class EngineCompat:
             out = {k: cast.setdefault(id(v), v.to(dtype) if v.is_floating_point() else v)
                    for k, v in state.items() if not (exclude_frozen_parameters and k in frozen)}
             os.makedirs(save_dir, exist_ok=True)
-            _save(out, os.path.join(save_dir, save_filename))
+            write_weights(out, os.path.join(save_dir, save_filename))
         return True
 
     def destroy(self) -> None:
@@ -183,16 +185,3 @@ class EngineCompat:
         hint = _INSTEAD.get(name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'"
                              + (f": {hint}" if hint else ""))
-
-
-def _save(weights: dict[str, torch.Tensor], path: str) -> None:
-    if not path.endswith(".safetensors"):
-        torch.save(weights, path)
-        return
-    from safetensors.torch import save_file
-    seen: set[int] = set()
-    own = {}
-    for name, value in weights.items():  # safetensors stores no shared tensors: a tied name gets a copy
-        own[name] = value.contiguous() if id(value) not in seen else value.clone()
-        seen.add(id(value))
-    save_file(own, path)

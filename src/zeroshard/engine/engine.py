@@ -21,7 +21,9 @@ from torch import nn
 
 from ..comm.collectives import Comm
 from ..comm.devices import check_placement, group_device, move_buffers
+from ..comm.topology import check_mics, read_topology
 from ..comm.watch import Watch
+from ..comm.zeropp import build_zeropp
 from ..common.states import move
 from ..config import Config
 from ..construct import deferred_non_parameters, materialize_
@@ -33,6 +35,7 @@ from ..core.precision import LossScaler, Precision, convert_buffers
 from ..core.prefetch import UnitOrder, gathering_limits
 from ..core.reduce import GradientReducer
 from ..core.schedules import scheduler_factory
+from ..core.pipeline import PipelinedUpdate
 from ..core.step import StepInputs, sharded_step
 from ..core.units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
 from ..offload import nvme
@@ -40,7 +43,8 @@ from ..offload.host import Copier, host_empty
 from ..parallel.activations import CheckpointStore, checkpoint_units
 from ..parallel.dtensor import point
 from ..parallel.mesh import Axes, check_parallelized
-from .checks import check_model, check_module_type, verify_same_on_every_rank, verify_same_optimizer
+from .checks import (check_model, check_module_type, check_zeropp_layout, verify_same_on_every_rank,
+                     verify_same_optimizer)
 from .compat import EngineCompat
 from .state import EngineState
 
@@ -73,12 +77,22 @@ class Engine(EngineState, EngineCompat):
         check_module_type(module)
         check_placement(module, group_device(axes.dp_group))  # local, alike on every rank: before any
         check_parallelized(module, axes)  # collective (a bad mesh fails everywhere)
-        comm = Comm(axes.dp_group, _watch(axes, config), axes.tp_group)  # watched from the first collective
+        topology = read_topology(config.ranks_per_node, dist.get_rank(), dist.get_world_size())
+        if axes.replicate_group is not None:  # (local checks, before the first collective)
+            check_mics(dist.get_world_size(axes.dp_group), topology, dist.get_world_size())
+        check_zeropp_layout(config, axes, topology)
+        comm = Comm(axes.dp_group, _watch(axes, config), axes.tp_group, axes.replicate_group,
+                    topology)  # watched from the first collective
         if axes.tp_size == 1 and comm.world_size == dist.get_world_size():
             comm.watch.lend()  # zeroshard.mean_over_ranks and gather_objects are watched with it
         verify_same_on_every_rank(comm, module, config)  # first: a rank-local error would leave peers waiting
+        if comm.replicas > 1:  # MiCS: and across the shard groups
+            verify_same_on_every_rank(Comm(None), module, config)
         check_model(module, config)
         config.check_batch_sizes(comm.world_size)
+        # ZeRO++'s groups: made once every rank is known to run the same config (new_group pairs up)
+        comm.zeropp = build_zeropp(config.zero, config.quantized_gradient_bits, topology, dist.get_rank(),
+                                   dist.get_world_size())
         self.module, self.config, self.comm = module, config, comm
         originals = {id(p): (p.device, p.dtype) for p in module.parameters()}
         self.flats: list[FlatParam] = []  # filled as buffers are built, so a failure can undo them
@@ -108,7 +122,8 @@ class Engine(EngineState, EngineCompat):
         self.copier: Copier | None = None  # host<->device copies (offload)
         if self.precision.offload or self.precision.offload_params:  # disk offload: its checks, then its
             disk = nvme.open_store(config, comm, module, probe, partial(host_empty, comm.device))  # files
-            self.copier = Copier(comm.device, config.delayed_param_update, disk)
+            self.copier = Copier(comm.device, config.delayed_param_update, disk,
+                                 casts_on_device=config.offload_casts == "device")
         lr_scheduler = scheduler_factory(lr_scheduler, config.scheduler)
         materialize_(deferred_non_parameters(module), module)  # buffers are replicated: all at once
         # Parameters move to the group's device unit by unit, as their flat buffers are built.
@@ -122,6 +137,7 @@ class Engine(EngineState, EngineCompat):
             for b in dict.fromkeys(module.buffers()):
                 comm.broadcast(b, 0)
                 comm.broadcast_tp(b)  # buffers are replicated over tp as well
+                comm.broadcast_replicas(b)  # and over MiCS replicas
         groups = [{"params": [f.opt_param for f in self.flats if f.trainable and f.group == i], **opts}
                   for i, opts in enumerate(options)]
         # Empty groups are kept, so engine.optimizer.param_groups[i] is the user's param_groups[i].
@@ -130,9 +146,12 @@ class Engine(EngineState, EngineCompat):
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         delayed = self.copier if config.delayed_param_update else None
+        self.pipeline = PipelinedUpdate(comm.device) if config.pipelined else None
+        for flat in self.flats:
+            flat.pipeline = self.pipeline
         self.step_inputs = StepInputs(self.flats, self.optimizer, comm, self.scaler, config.gradient_clipping,
                                       self.policy.shard_optimizer, config.zero.sub_group_size, delayed,
-                                      self._after_update, self.nonfinite)
+                                      self._after_update, self.nonfinite, self.pipeline)
         self.reducer = GradientReducer(self.units, self.policy, config.overlap_comm, self._note_temporaries)
         z = config.zero
         limits = gathering_limits(z.stage3_prefetch_bucket_size, z.stage3_max_reuse_distance,
@@ -140,8 +159,8 @@ class Engine(EngineState, EngineCompat):
         self.unit_order = UnitOrder(config.overlap_comm, self._note_temporaries, limits.forward,
                                     z.stage3_max_live_parameters, limits.reuse, self.reducer.reduce_ready,
                                     keep_tail=limits.keep_tail, backward_numel=limits.backward)
-        install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather, comm.rank,
-                      comm.world_size)
+        install_hooks(self.units, self.unit_order, self.policy, config.defer_param_gather or config.pipelined,
+                      comm.rank, comm.world_size)
         convert_buffers(module, self.precision.param_dtype)  # last: nothing can fail after it
         self._buffers = persistent_buffers(module)
         self.global_steps = 0      # optimizer steps taken (skipped fp16 steps included)
@@ -159,15 +178,21 @@ class Engine(EngineState, EngineCompat):
         """Stages 1-2 with zeroshard.defer_param_gather: complete the post-step all-gathers still
         in flight. Until then (or the next forward) the module's parameters are empty placeholders;
         call this before reading them directly (at stage 3: inside gathered_parameters()).
-        With zeroshard.delayed_param_update it also waits for the update running on the host."""
+        With zeroshard.delayed_param_update it also waits for the update running on the host; with
+        a pipelined update, for it and the gathers of what it changed (collective, then)."""
         self._finish_update()
+        if self.pipeline is not None:
+            self.pipeline.finish()
         if not self.policy.shard_params:
             for flat in self.flats:
                 flat.unshard()
 
     def _finish_update(self) -> None:
+        """The host's update over (delayed or pipelined), its error raised; no collective."""
         if self.copier is not None:
             self.copier.finish_update()
+        if self.pipeline is not None:
+            self.pipeline.finish_local()
 
     def _restore_module(self, originals: dict[int, tuple[torch.device, torch.dtype]]) -> None:
         """Give every parameter its own tensor again, with its values (from the master where there is
@@ -282,6 +307,9 @@ class Engine(EngineState, EngineCompat):
             for flat in self.flats:
                 if flat.trainable and not flat.reduced:  # unless overlap_comm did it in backward
                     flat.reduce()
+        if self.comm.replicas > 1:  # MiCS: each shard group's average, averaged over the copies
+            for flat in self.flats:
+                flat.average_over_replicas()
         for flat in self.flats:
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
@@ -304,8 +332,9 @@ class Engine(EngineState, EngineCompat):
 
 def _watch(axes: Axes, config: Config) -> Watch:
     """The engine's collective history, checks and bounded waits (comm/watch.py), over dp; each tp
-    rank's dp group keeps its store keys apart."""
+    rank's dp group (each MiCS replica's shard group) keeps its store keys apart."""
     group = axes.dp_group
+    space = f"tp{axes.tp_rank}/" if axes.tp_size > 1 else \
+        f"replica{dist.get_rank(axes.replicate_group)}/" if axes.replicate_group is not None else ""
     return Watch(dist.get_rank(group), dist.get_world_size(group), config.collective_timeout,
-                 config.check_collectives, on_cuda=group_device(group).type == "cuda",
-                 space=f"tp{axes.tp_rank}/" if axes.tp_size > 1 else "")
+                 config.check_collectives, on_cuda=group_device(group).type == "cuda", space=space)

@@ -49,16 +49,18 @@ class EngineState:
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
                  "world_size": self.comm.world_size, "tp": self.comm.tp_size, "stage": self.config.stage,
+                 "replicas": self.comm.replicas,
                  "state_dict_keys": self._state_dict_keys, "client_state": client_state}
         with torch.no_grad(), self.comm.outside_step():
-            return checkpoint_save.save(save_dir, tag, self.flats, self.optimizer,
-                                   self._checkpoint_comm, self._buffers, extra)
+            return checkpoint_save.save(save_dir, tag, self.flats, self.optimizer, self._checkpoint_comm,
+                                        self._buffers, extra, writes_shards=self.comm.replica_rank == 0)
 
     @property
     def _checkpoint_comm(self) -> Comm:
         """Checkpoints are written by every rank of the model, tp shards included: over the world
-        when the model is split over tp (dp alone holds only one tp rank's shards)."""
-        if self.comm.tp_size == 1:
+        when the model is split over tp (dp alone holds only one tp rank's shards), or replicated
+        (MiCS: a shard group is one copy of many; the first copy's ranks write the shards)."""
+        if self.comm.tp_size == 1 and self.comm.replicas == 1:
             return self.comm
         if self._world_comm is None:
             self._world_comm = Comm(None)
@@ -116,6 +118,10 @@ class EngineState:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.comm.device) if on_gpu else None) \
             if load_module_only else None
         self._reshard_units()  # what is gathered now would shadow the loaded shards
+        for flat in self.flats:
+            flat.drop_secondary()  # (hpZ: and what forward left for backward)
+        if self.pipeline is not None:
+            self.pipeline.reset()  # a failed update's error is answered by this load
         self.wait_for_parameters()
         for flat in self.flats:
             flat.await_host_read()  # an offloaded shard is written in place
@@ -211,7 +217,8 @@ class EngineState:
         # (After every gather: the flats with nothing temporary, most of them at stage 3, are passed
         # over by the cheapest test, or a model of many units would spend O(units) calls per gather.)
         now = sum(memory.temporary_bytes(f) for f in self.flats
-                  if f.state is not ParamState.SHARDED or f.grads.full is not None or f.grads.inflight)
+                  if f.state is not ParamState.SHARDED or f.grads.full is not None or f.grads.inflight
+                  or f.secondary is not None)
         self.peak_temporary = max(self.peak_temporary, now)
 
     def comm_stats(self) -> dict[str, dict[str, Any]]:

@@ -62,9 +62,12 @@ class Copier:
     """One engine's host<->device copies: the side stream (CUDA), pinned allocation, and the
     delayed parameter update's worker thread, which the host gradient buffers must wait for."""
 
-    def __init__(self, device: torch.device, delayed: bool = False, disk: Any = None) -> None:
+    def __init__(self, device: torch.device, delayed: bool = False, disk: Any = None,
+                 casts_on_device: bool = False) -> None:
         """delayed: the delayed parameter update is on (the host step overlaps the next backward).
-        disk: the rank's nvme.DiskStore with disk offload (the master and shards rest in its files)."""
+        disk: the rank's nvme.DiskStore with disk offload (the master and shards rest in its files).
+        casts_on_device ("zeroshard": {"offload_casts": "device"}): gradients go down and updates
+        come up in fp32, converted on the device (see HostCopies)."""
         self.device = device
         self.one_memory = device.type == "cpu" and not delayed  # no copies needed: see the notes
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -74,6 +77,7 @@ class Copier:
         self._then: Callable[[], None] = lambda: None  # what follows it on the caller's thread
         self._error: BaseException | None = None  # FAILED: the worker's error, until raised
         self.disk = disk
+        self.casts_on_device = casts_on_device
         self._files = 0
 
     # ---- where offloaded tensors rest: host memory, or files (disk offload) -------------------
@@ -100,17 +104,21 @@ class Copier:
         shard.copy_(values)
         return shard
 
+    def on_disk(self, t: torch.Tensor) -> bool:
+        """Does `t` rest in a file of the disk store (rather than in host memory)?"""
+        return self.disk is not None and self.disk.owns(t)
+
     def read_shard(self, own: torch.Tensor, shard: torch.Tensor) -> None:
         """own <- an offloaded shard (a file is read into it; host memory is copied, asynchronously
         from pinned memory)."""
-        if self.disk is not None and self.disk.owns(shard):
+        if self.on_disk(shard):
             self.disk.read_shard(shard, own)
         else:
             own.copy_(shard, non_blocking=True)
 
     def write_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         """An offloaded shard <- values (the updated master, in the shard's dtype)."""
-        if self.disk is not None and self.disk.owns(shard):
+        if self.on_disk(shard):
             self.disk.write_shard(shard, values)
         else:
             shard.copy_(values)
@@ -123,13 +131,19 @@ class Copier:
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         return host_empty(self.device, numel, dtype, pin)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event | None":
-        """dst <- src, on the side stream where there is one. Both must stay alive and unchanged
-        until the returned event has completed (the callers' buffers are persistent)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None" = None
+             ) -> "torch.cuda.Event | None":
+        """dst <- src, on the side stream where there is one, after the compute stream's work so far
+        (or after `after`: a pipelined update's thread, whose uploads need not wait for the forward
+        issued meanwhile). Both must stay alive and unchanged until the returned event has
+        completed (the callers' buffers are persistent)."""
         if self.stream is None:
             dst.copy_(src)
             return None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
@@ -183,16 +197,27 @@ class HostCopies:
     """The host side of one trainable flat buffer under optimizer offload; see the module notes."""
 
     def __init__(self, copier: Copier, numel: int, grad_dtype: torch.dtype,
-                 param_dtype: torch.dtype | None) -> None:
-        """param_dtype None: no `staging` (offloaded parameter shards are written on the host)."""
+                 param_dtype: torch.dtype | None, master: torch.Tensor | None = None) -> None:
+        """param_dtype None: no `staging` (offloaded parameter shards are written on the host).
+        Where the copier casts on the device, both host buffers are fp32: a 16-bit gradient is
+        converted by the copy down on the device, the fp32 update by the copy up (torch's copy_
+        between devices converts on the GPU), twice the link bytes and none of the host's passes.
+        Where what goes up is fp32, it is the `master` itself (if pinned, so the copy is
+        asynchronous): no `staging`, no host pass to fill it, 4 bytes an element less."""
         self.copier = copier
         own = not copier.one_memory
+        if copier.casts_on_device:
+            grad_dtype, param_dtype = torch.float32, (None if param_dtype is None else torch.float32)
+        self.master = master if own and param_dtype == torch.float32 and master is not None and \
+            not copier.on_disk(master) and (master.is_pinned() or copier.stream is None) else None
         self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
-        self.staging = copier.host_empty(numel, param_dtype) if own and param_dtype is not None else None
+        self.staging = copier.host_empty(numel, param_dtype) \
+            if own and param_dtype is not None and self.master is None else None
         self._grad_version = -1           # the reduction whose result `grad` holds (or is receiving)
         self._offloaded: "torch.cuda.Event | None" = None     # the gradient's copy down, for the host
         self._written_back: "torch.cuda.Event | None" = None     # for the shard's next reader
         self._staging_read: "torch.cuda.Event | None" = None  # for the next write to `staging`
+        self._master_read: "torch.cuda.Event | None" = None   # for the next change of `master`
 
     @property
     def nbytes(self) -> int:
@@ -220,6 +245,13 @@ class HostCopies:
             self._offloaded = None
         return self.grad
 
+    def offloaded(self) -> torch.Tensor:
+        """`grad`, once the copy down offload() issued is complete (any thread may wait for it)."""
+        done = self._offloaded
+        if done is not None:
+            done.synchronize()
+        return self.grad
+
     def before_device_grad_changes(self) -> None:
         """The device gradient is about to be written (a reduction, zeroing): an offload still
         reading it must finish first. Stream order only; the host does not wait."""
@@ -231,16 +263,41 @@ class HostCopies:
         if self.copier.one_memory:
             self.grad = None
 
-    def write_back(self, master: torch.Tensor, device_shard: torch.Tensor) -> None:
-        """device_shard <- master in the compute dtype, by way of `staging`. Asynchronous on CUDA:
-        wait_write_back() orders the shard's next reader after it."""
-        if self.copier.one_memory:
-            device_shard.copy_(master)
+    def write_back(self, master: torch.Tensor, device_shard: torch.Tensor,
+                   after: "torch.cuda.Event | None" = None) -> None:
+        """device_shard <- master in the compute dtype, by way of `staging` (or straight from the
+        master, where it is what goes up). Asynchronous on CUDA: wait_write_back() orders the
+        shard's next reader after it, before_master_changes() the master's next writer."""
+        if self.master is not None:
+            self._written_back = self._master_read = self.copier.copy(device_shard, self.master, after)
             return
+        self.write_back_target(device_shard).copy_(master)
+        self.send(device_shard, after)
+
+    def before_master_changes(self) -> None:
+        """The master is about to be written (a step, a load): its copy up must have read it."""
+        if self._master_read is not None:
+            self._master_read.synchronize()
+            self._master_read = None
+
+    def write_back_target(self, device_shard: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor the updated master's compute-dtype copy is written into: `staging`
+        (free again: the previous send has read it), or on one memory the device shard itself;
+        None where the master itself goes up. The step in one pass (host_step.py) writes it as it
+        updates; send() takes it up."""
+        if self.copier.one_memory:
+            return device_shard
+        if self.master is not None:
+            return None
         if self._staging_read is not None:
             self._staging_read.synchronize()  # the previous write-back may still read `staging`
-        self.staging.copy_(master)
-        self._written_back = self._staging_read = self.copier.copy(device_shard, self.staging)
+            self._staging_read = None
+        return self.staging
+
+    def send(self, device_shard: torch.Tensor, after: "torch.cuda.Event | None" = None) -> None:
+        """Start copying `staging` into the device shard (nothing to copy on one memory)."""
+        if not self.copier.one_memory:
+            self._written_back = self._staging_read = self.copier.copy(device_shard, self.staging, after)
 
     def wait_write_back(self) -> None:
         """Order the compute stream (and so the collectives issued from it) after the write-back."""

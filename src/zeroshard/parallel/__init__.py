@@ -2,7 +2,7 @@
 
 May import: common, config, comm (the flat buffers are core's: parallel knows only DTensors).
 """
-from .mesh import Axes, check_heads, split
+from .mesh import Axes, check_heads, mics_mesh, split
 from .plan import tensor_parallel
 
-__all__ = ["Axes", "check_heads", "split", "tensor_parallel"]
+__all__ = ["Axes", "check_heads", "mics_mesh", "split", "tensor_parallel"]

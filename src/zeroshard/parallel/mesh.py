@@ -1,10 +1,17 @@
-"""2-D meshes: ZeRO over the data-parallel axis, torch tensor parallelism over the other.
+"""2-D meshes: ZeRO over the data-parallel axis, torch tensor parallelism over the other; or ZeRO
+within shard groups, replicated across them (MiCS, FSDP2's HSDP).
 
 A mesh named ("dp", "tp") splits the world into tp groups (a model's shards, computed together) and
 dp groups (replicas of one shard, which ZeRO partitions further). zeroshard runs over mesh["dp"]
 exactly as over a 1-D process group; the tp collectives belong to the model (DTensor and its plan).
 What crosses tp is only what must agree on every rank of the model: the gradient norm, the
 non-finite verdict, and the initial values of replicated parameters.
+
+A mesh named ("replicate", "shard") (built from zero_optimization.mics_shard_size, or given) runs
+ZeRO over mesh["shard"], a group that holds one whole copy of the model states, and keeps the
+copies alike over mesh["replicate"]: the reduced gradient shards are averaged there at the step,
+the initial values broadcast there. Only that average crosses the replicas, so with shard groups
+inside nodes the all-gathers and reduce-scatters stay inside them.
 
 Every check here is local and made before any collective, so a bad mesh or model fails alike on
 every rank instead of hanging some of them.
@@ -14,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
@@ -22,15 +29,18 @@ from .dtensor import split_over_tp
 
 
 DIMS = ("dp", "tp")
+MICS_DIMS = ("replicate", "shard")  # FSDP2's HSDP names: replicas of a model sharded within a group
 _FIX = "build it with init_device_mesh(device, (dp, tp), mesh_dim_names=(\"dp\", \"tp\"))"
 
 
 @dataclass(frozen=True)
 class Axes:
-    """The data-parallel group zeroshard shards over, and the tensor-parallel mesh (None: no tp)."""
+    """The data-parallel group zeroshard shards over, the tensor-parallel mesh (None: no tp), and,
+    with MiCS / HSDP, the group of this rank's replicas (None: the shard group is the world)."""
 
     dp_group: dist.ProcessGroup | None
     tp_mesh: DeviceMesh | None
+    replicate_group: dist.ProcessGroup | None = None
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -60,13 +70,23 @@ def split(mesh: DeviceMesh | None, process_group: dist.ProcessGroup | None) -> A
             raise ConfigError(f"a 1-D mesh means data parallelism, but its dimension is named {names[0]!r}; "
                               f"name it \"dp\", or give a 2-D mesh: {_FIX}")
         return Axes(mesh.get_group(), None)
-    if mesh.ndim != 2 or names != DIMS:
-        raise ConfigError(f"zeroshard needs a mesh with dimensions named {DIMS}, got {mesh.ndim} "
-                          f"dimension(s) named {names}; {_FIX}")
+    if mesh.ndim != 2 or names not in (DIMS, MICS_DIMS):
+        raise ConfigError(f"zeroshard needs a mesh with dimensions named {DIMS} (tensor parallelism) or "
+                          f"{MICS_DIMS} (MiCS / HSDP), got {mesh.ndim} dimension(s) named {names}; {_FIX}")
     if mesh.size() != dist.get_world_size():  # checkpoints are written by every rank of the world
         raise ConfigError(f"the mesh spans {mesh.size()} of the {dist.get_world_size()} ranks; zeroshard "
-                          f"takes a (\"dp\", \"tp\") mesh over the whole world")
+                          f"takes a {names} mesh over the whole world")
+    if names == MICS_DIMS:
+        return Axes(mesh["shard"].get_group(), None, mesh["replicate"].get_group())
     return Axes(mesh["dp"].get_group(), mesh["tp"])
+
+
+def mics_mesh(shard_size: int) -> DeviceMesh:
+    """zero_optimization.mics_shard_size: a ("replicate", "shard") mesh of consecutive shard groups
+    (collective: every rank builds it; check the layout first, topology.check_mics)."""
+    world = dist.get_world_size()
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, (world // shard_size, shard_size), mesh_dim_names=MICS_DIMS)
 
 
 def check_parallelized(model: nn.Module, axes: Axes) -> None:
