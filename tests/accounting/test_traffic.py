@@ -98,7 +98,8 @@ def _one_rank(rank: int, world_size: int) -> None:
             calls = sum(1 if len(group) > 1 else len(group[0].layout.shard_chunks(group[0].buckets.reduce))
                         for group in engine.reducer.groups)
             counted = {k: step["reduce_scatter"][k] for k in ("calls", "bytes")}
-            assert counted == {"calls": calls, "bytes": 4 * sum(f.layout.padded_numel for f in trainable)}, stage
+            expected = {"calls": calls, "bytes": 4 * sum(f.layout.padded_numel for f in trainable)}
+            assert counted == expected, stage
             assert step["reduce_scatter"]["inter_node_bytes"] == 0  # (one rank: one node)
             assert calls > len(engine.reducer.groups) or bucket is None, "2000 made no second chunk"
 

@@ -3,26 +3,30 @@ and `consolidate`."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 
-from .gpt import SIZES
-from .options import check_nvme_path, check_steps_beyond_checkpoint, defaults_from_config, \
-    ranks_report_errors, resolve_device
+from .sizes import SIZES
+from .options import DEFAULT_RUN, check_nvme_path, check_steps_beyond_checkpoint, default_run, \
+    defaults_from_config, ranks_report_errors, resolve_device
 
 
-def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
+def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool) -> None:
+    """gpu_run: on a GPU the defaults are options.DEFAULT_RUN's larger run (train), else the CPU's."""
+    def on_gpu(cpu: object, gpu: object) -> str:
+        return f"default {cpu}; {gpu} on a GPU" if gpu_run else f"default {cpu}"
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="cuda: one rank per GPU over NCCL; cpu: gloo ranks; auto: cuda when available")
     p.add_argument("--nproc", type=int, help="local ranks (default: every GPU on cuda, 2 on cpu)")
-    p.add_argument("--steps", type=int, default=steps,
+    p.add_argument("--steps", type=int,
                    help=f"training steps in total, one micro-batch each (optimizer steps x "
-                        f"gradient_accumulation_steps; default {steps})")
+                        f"gradient_accumulation_steps; {on_gpu(steps, DEFAULT_RUN['cuda']['steps'])})")
     p.add_argument("--batch-size", type=int, help="sequences per rank per step (default: the config's "
-                                                   "micro-batch, else 8)")
-    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
-    p.add_argument("--size", default="small", choices=sorted(SIZES), help="named model size (default small)")
+                                                   f"micro-batch, else {on_gpu(8, 32)[8:]})")
+    p.add_argument("--seq-len", type=int, help=f"bytes per sequence ({on_gpu(64, 256)})")
+    p.add_argument("--size", choices=sorted(SIZES), help=f"named model size ({on_gpu('small', 'large')})")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--width", type=int, help="override the model width")
     p.add_argument("--hf-config", help="a Hugging Face config.json: train that architecture from scratch "
@@ -41,7 +45,8 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int) -> None:
                                     "optimizer, scheduler, clipping and accumulation are used; a flag "
                                     "given on the command line overrides the config")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial values, the batches "
+                                                     "and the sample (default 0)")
 
 
 def _add_offload_options(p: argparse.ArgumentParser) -> None:
@@ -80,7 +85,7 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=0, metavar="S",
                    help="also checkpoint every S steps, so a restart loses at most S steps "
                         "(default 0: only at the end)")
-    _add_training_options(p, steps=300)
+    _add_training_options(p, steps=300, gpu_run=True)
     _add_tensor_parallel_options(p)
     _add_offload_options(p)
     p.add_argument("--nvme-path", metavar="DIR", help="directory for the nvme offload's files (a fast "
@@ -98,7 +103,8 @@ def _compare_parser(sub: argparse._SubParsersAction) -> None:
                    help="rounds: worlds in which every implementation is built and they train side by "
                         "side, one step each in turn, so machine noise hits them alike; times are the "
                         "median over rounds (default 3). Memory and loss: one run of each alone")
-    _add_training_options(p, steps=30)
+    _add_training_options(p, steps=30, gpu_run=False)
+    p.set_defaults(compare=True)
 
 
 def _estimate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -203,30 +209,50 @@ def _consolidate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from zeroshard import CheckpointError, consolidate
+    import zeroshard
     if not args.output.endswith((".safetensors", ".pt")):
         parser.error(f"output '{args.output}' must end in .safetensors or .pt")
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):  # found before the work, not after
         parser.error(f"cannot write '{args.output}': '{folder}' is not a writable directory")
     try:
-        weights = consolidate(args.checkpoint)
-    except CheckpointError as e:
+        weights = zeroshard.consolidate(args.checkpoint, output=args.output)
+        config = _model_config(zeroshard.checkpoint_info(args.checkpoint))
+    except zeroshard.CheckpointError as e:
         parser.error(str(e))
-    partial = f"{args.output}.partial"  # a file at `output` is always complete
-    if args.output.endswith(".safetensors"):
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in weights.items()}, partial)
-    else:
-        import torch
-        torch.save(weights, partial)
-    os.replace(partial, args.output)
     print(f"wrote {len(weights)} tensors to {args.output}")
+    if config is not None:
+        kind, values = config
+        path = os.path.splitext(args.output)[0] + ".json"
+        with open(path, "w") as f:
+            json.dump(values, f, indent=1)
+        print(f"wrote the model's config to {path} ({kind}; docs/usage.md shows how to load both)")
+
+
+def _model_config(info: dict) -> tuple[str, dict] | None:
+    """The model a checkpoint of `zeroshard train` holds, as (kind, config): the built-in GPT's
+    GPTConfig fields, or the Hugging Face config.json it was built from. None for another
+    program's checkpoint (the weights alone say nothing of the architecture)."""
+    run = (info.get("client_state") or {}).get("args") if isinstance(info.get("client_state"), dict) else None
+    if not isinstance(run, dict):
+        return None
+    if run.get("hf_config"):
+        file = run["hf_config"]
+        file = os.path.join(file, "config.json") if os.path.isdir(file) else file
+        if not os.path.isfile(file):
+            return None
+        with open(file) as f:
+            return "a Hugging Face config.json", json.load(f)
+    from dataclasses import asdict
+    from .gpt import config_for
+    return "the built-in GPT's GPTConfig", asdict(config_for(run["size"], run.get("layers"), run.get("width"),
+                                                            run["seq_len"]))
 
 
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
     resolve_device(parser, args)
+    default_run(args)
     import zeroshard
     from .data import check_paths
     from .train import TrainArgs, build_model, launch
@@ -239,7 +265,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
     try:  # fail here, in one process, rather than in every rank
         defaults_from_config(args)
-        options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds")}
+        options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds", "compare")}
         train_args = TrainArgs(**options)
         check_paths(args.data)
         engine_config = train_args.engine_config()
@@ -272,13 +298,18 @@ def main(argv: list[str] | None = None) -> int:
     _compare_parser(sub)
     estimate = _estimate_parser(sub)
     consolidate = _consolidate_parser(sub)
+    from .plan import add_parser as _plan_parser
+    plan = _plan_parser(sub)
     args = parser.parse_args(argv)
     if args.command in ("train", "compare"):
-        _run_training(parser, args)
+        _run_training(sub.choices[args.command], args)  # its errors show its own usage
     elif args.command == "estimate":
         _run_estimate(estimate, args)
     elif args.command == "consolidate":
         _run_consolidate(consolidate, args)
+    elif args.command == "plan":
+        from .plan import run as _run_plan
+        _run_plan(plan, args)
     return 0
 
 

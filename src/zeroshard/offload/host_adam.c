@@ -96,6 +96,36 @@ static const loop_fn LOOPS[2][2][3] = {
     {{f32_none, f32_f32, f32_bf16}, {bf16_none, bf16_f32, bf16_bf16}},
     {{f32_none_ams, f32_f32_ams, f32_bf16_ams}, {bf16_none_ams, bf16_f32_ams, bf16_bf16_ams}}};
 
+/* The common case, its flags constants (folded away after inlining, no select left): no amsgrad, not
+   maximize, no L2 term, the usual betas (the small lerp weight), the factor always applied (x 1.0
+   changes no value), AdamW's decay on or off. The same arithmetic as the general loops. */
+#define COMMON(NAME, DECAYS, GT, LOAD, OT, STORE)                                                      \
+    static void NAME(float *restrict p, float *restrict m, float *restrict v, float *restrict vmax,  \
+                     const void *g_, void *out_, int64_t n, const params k) {                       \
+        const GT *restrict g = (const GT *)g_;                                                      \
+        OT *restrict out = (OT *)out_;                                                               \
+        (void)out, (void)vmax;                                                                       \
+        params c = k;                                                                                \
+        c.scale = 1, c.maximize = 0, c.l2 = 0, c.decays = DECAYS, c.lerp_small = 1;                  \
+        for (int64_t i = 0; i < n; i++) {                                                            \
+            float pv = step_one(LOAD, p + i, m + i, v + i, 0, c, 0);                                 \
+            STORE;                                                                                   \
+        }                                                                                            \
+    }
+#define COMMON_FOR(D, DECAYS)                                                                        \
+    COMMON(c_f32_none##D, DECAYS, float, g[i], float, (void)pv)                                      \
+    COMMON(c_f32_f32##D, DECAYS, float, g[i], float, out[i] = pv)                                    \
+    COMMON(c_f32_bf16##D, DECAYS, float, g[i], uint16_t, out[i] = to_bf16(pv))                       \
+    COMMON(c_bf16_none##D, DECAYS, uint16_t, from_bf16(g[i]), float, (void)pv)                       \
+    COMMON(c_bf16_f32##D, DECAYS, uint16_t, from_bf16(g[i]), float, out[i] = pv)                     \
+    COMMON(c_bf16_bf16##D, DECAYS, uint16_t, from_bf16(g[i]), uint16_t, out[i] = to_bf16(pv))
+COMMON_FOR(, 0)
+COMMON_FOR(_decays, 1)
+static const loop_fn COMMON_LOOPS[2][2][3] = {
+    {{c_f32_none, c_f32_f32, c_f32_bf16}, {c_bf16_none, c_bf16_f32, c_bf16_bf16}},
+    {{c_f32_none_decays, c_f32_f32_decays, c_f32_bf16_decays},
+     {c_bf16_none_decays, c_bf16_f32_decays, c_bf16_bf16_decays}}};
+
 /* fp16, converted a block at a time through buffers that stay in L1 (gcc does not vectorize
    _Float16 conversions; F16C does them eight at a time, rounding to nearest even as torch's do). */
 enum { BLOCK = 512 };
@@ -164,6 +194,8 @@ int zeroshard_adam_step(float *p, float *m, float *v, float *vmax, const void *g
     const int ams = amsgrad != 0;
     if (g_dtype == F16 || out_dtype == F16)
         in_blocks(ams, p, m, v, vmax, g, g_dtype, out, out_dtype, n, k);
+    else if (!ams && !k.maximize && !k.l2 && k.lerp_small)
+        COMMON_LOOPS[k.decays][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
     else
         LOOPS[ams][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
     return 0;

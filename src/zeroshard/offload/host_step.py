@@ -158,7 +158,7 @@ def _update_in_one_loop(kernel: Any, group: dict[str, Any], state: dict[str, Any
     pool = _loaded["pool"]
     if n <= SLICE or pool is None:
         codes = [run(a) for a in range(0, n, SLICE)]
-    else:
+    else:  # slices taken as threads come free: a thread slowed by a neighbour takes fewer
         codes = list(pool.map(run, range(0, n, SLICE)))
     if any(codes):
         raise RuntimeError("zeroshard's host Adam loop refused its arguments (a dtype it does not take)")

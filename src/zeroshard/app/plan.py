@@ -1,0 +1,243 @@
+"""`zeroshard plan`: which stage, offload, checkpointing, MP degree and micro-batch fit a model on
+some machines, fastest first (the model: zeroshard.paper.plan; docs/plan.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+from .sizes import SIZES
+
+GIB = 2**30
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan",
+        help="the configurations that fit a model on these machines, fastest first",
+        description="Weigh ZeRO stages 0-3, optimizer and parameter offload, activation "
+        "checkpointing, the MP degree and micro-batch for a model on this machine "
+        "(detected and calibrated) or on machines described by flags: peak memory "
+        "by place and step time predicted, ranked. docs/plan.md.",
+    )
+    m = p.add_argument_group("the model (one of)")
+    m.add_argument("--hf-config", help="a Hugging Face config.json (GPT-2 or LLaMA family)")
+    m.add_argument("--model", choices=sorted(SIZES), help="a built-in zeroshard GPT size")
+    m.add_argument("--params", type=float, help="parameter count Ψ, with --layers and --width")
+    m.add_argument("--layers", type=int, help="layers (with --params, or overriding --model's)")
+    m.add_argument("--width", type=int, help="width (with --params, or overriding --model's)")
+    m.add_argument("--heads", type=int, help="attention heads (with --params; default width / 128)")
+    m.add_argument("--vocab", type=int, default=50257, help="vocabulary (with --params; default 50257)")
+    t = p.add_argument_group("the training")
+    t.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step in all (default 8 per rank)"
+    )
+    t.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    t.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"], help="default bf16")
+    t.add_argument(
+        "--mp",
+        type=int,
+        help="fix the model-parallel degree (default: every one that applies within a node; 1 on a CPU)",
+    )
+    h = p.add_argument_group("another machine (default: this one, detected and calibrated)")
+    h.add_argument("--nodes", type=int, help="nodes")
+    h.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    h.add_argument("--gpu-mem", type=float, help="GB per GPU (default 80)")
+    h.add_argument("--host-mem", type=float, help="GB of host memory per node (default 1000)")
+    h.add_argument("--disk", type=float, help="GB of free fast disk per node (default 4000)")
+    h.add_argument("--link-gbps", type=float, help="Gbit/s between nodes, per node (default 100)")
+    h.add_argument("--tflops", type=float, help="sustained matrix TFLOP/s per GPU (default 100)")
+    h.add_argument("--host-adam", type=float, help="host Adam, G elements/s per rank (default 1)")
+    h.add_argument("--h2d-gbps", type=float, help="host <-> device GB/s (default 20)")
+    h.add_argument("--disk-gbps", type=float, help="disk GB/s (default 2)")
+    h.add_argument("--nproc", type=int, help="this machine: ranks (default every GPU, else 2 CPU ranks)")
+    p.add_argument(
+        "--nvme-path",
+        metavar="DIR",
+        help="a writable directory for nvme offload (its free space "
+        "and rate are measured); without it nvme is not weighed here",
+    )
+    p.add_argument("--recalibrate", action="store_true", help="measure this machine's rates again")
+    p.add_argument("--top", type=int, default=12, help="rows of the table (default 12)")
+    p.add_argument("--write", metavar="FILE", help="write the best as a DeepSpeed-style JSON config")
+    p.add_argument("--verify", action="store_true", help="run the best configuration for a few steps here")
+    p.add_argument("--verify-top", type=int, metavar="K", help="run the K best configurations here")
+    p.add_argument("--verify-steps", type=int, default=3, help="optimizer steps per verified run (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--paper", action="store_true", help="the paper's runs projected on its hardware, and exit"
+    )
+    return p
+
+
+def _positive(parser, args, names: list[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+
+
+def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int):
+    """The model as the planner sees it, from exactly one of --hf-config, --model, --params."""
+    from zeroshard.paper.plan_memory import gpt2_shape
+
+    given = [
+        n
+        for n, on in (
+            ("--hf-config", args.hf_config),
+            ("--model", args.model),
+            ("--params", args.params is not None),
+        )
+        if on
+    ]
+    if len(given) > 1:
+        parser.error(f"give one of --hf-config, --model or --params, not {' and '.join(given)}")
+    if args.hf_config:
+        from zeroshard.paper.plan_shapes import shape_from_hf
+
+        try:
+            with open(args.hf_config, encoding="utf-8") as f:
+                config = json.load(f)
+            return shape_from_hf(config, os.path.basename(os.path.dirname(os.path.abspath(args.hf_config))))
+        except (OSError, ValueError) as e:
+            parser.error(f"--hf-config {args.hf_config}: {e}")
+    if args.params is not None:
+        if args.layers is None or args.width is None:
+            parser.error("--params needs --layers and --width (the activations and units depend on them)")
+        heads = args.heads or max(1, args.width // 128)
+        from zeroshard.paper.plan_shapes import shape_from_params
+
+        try:
+            return shape_from_params(args.params, args.layers, args.width, heads, args.vocab, seq)
+        except ValueError as e:
+            parser.error(str(e))
+    layers, width, heads = SIZES[args.model or "small"]
+    width = args.width or width
+    return gpt2_shape(
+        args.model or "small", args.layers or layers, width, heads if width % heads == 0 else 1, 256, seq
+    )
+
+
+def _hardware(parser, args, local: bool):
+    from . import plan_hw
+
+    if not local:
+        return plan_hw.given_hardware(args), None
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    ranks = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    figures, cached = plan_hw.calibrate(
+        args.precision, ranks, args.nvme_path or _tmp(), cuda, args.recalibrate
+    )
+    hw, line = plan_hw.local_hardware(args.nproc, figures, args.nvme_path)
+    line += " (rates from the cache; --recalibrate to measure again)" if cached else " (rates measured now)"
+    return (hw, line), figures
+
+
+def _tmp() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Refuse bad figures by name; return whether the hardware is this machine's."""
+    _positive(
+        parser,
+        args,
+        [
+            "params",
+            "nodes",
+            "gpus_per_node",
+            "gpu_mem",
+            "host_mem",
+            "disk",
+            "link_gbps",
+            "tflops",
+            "host_adam",
+            "h2d_gbps",
+            "disk_gbps",
+        ],
+    )
+    for name in (
+        "layers",
+        "width",
+        "heads",
+        "vocab",
+        "global_batch",
+        "seq_len",
+        "mp",
+        "nproc",
+        "top",
+        "verify_top",
+        "verify_steps",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.nvme_path is not None:
+        path = args.nvme_path
+        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+            parser.error(f"--nvme-path {path}: not a writable directory")
+    local = all(
+        getattr(args, n) is None
+        for n in ("nodes", "gpus_per_node", "gpu_mem", "host_mem", "disk", "link_gbps", "tflops")
+    )
+    if (args.verify or args.verify_top) and not local:
+        parser.error(
+            "--verify runs here: it cannot check a plan for another machine (drop --nodes, "
+            "--gpus-per-node, --gpu-mem, ...)"
+        )
+    if args.write:
+        folder = os.path.dirname(os.path.abspath(args.write))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--write {args.write}: '{folder}' is not a writable directory")
+    return local
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from zeroshard.paper.plan import plan, smallest_change
+    from .plan_report import config_of, paper_text, plan_json, table
+
+    if args.paper:
+        print(paper_text(args.json))
+        return
+    local = _check(parser, args)
+    shape = shape_of(parser, args, args.seq_len)
+    (hw, line), figures = _hardware(parser, args, local)
+    if args.mp is not None and (hw.per_node % args.mp or shape.heads % args.mp):
+        parser.error(
+            f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"
+        )
+    batch = args.global_batch or 8 * hw.ranks
+    mps = [args.mp] if args.mp else ([1] if hw.device == "cpu" else None)
+    plans = plan(shape, hw, batch, args.seq_len, args.precision, mps)
+    if not plans:
+        parser.error(
+            f"--global-batch {batch} does not split over {hw.ranks} ranks at any MP degree: give a "
+            f"multiple of {hw.ranks}"
+        )
+    best = plans[0] if plans[0].fits else None
+    changes = [] if best else smallest_change(shape, hw, batch, args.seq_len, args.precision, mps)
+    if args.write and best:
+        with open(args.write, "w") as f:
+            json.dump(config_of(best, batch, args.nvme_path), f, indent=1)
+    verified = []
+    if best and (args.verify or args.verify_top):
+        from .plan_verify import verify
+
+        fitting = [p for p in plans if p.fits][: args.verify_top or 1]
+        verified = verify(args, shape, hw, fitting, batch, figures)
+    if args.json:
+        print(json.dumps(plan_json(shape, hw, line, plans, batch, args, changes, verified), indent=1))
+        return
+    print(table(shape, hw, line, plans, batch, args, changes, verified))
+    if args.write:
+        print(
+            f"wrote the best configuration to {args.write}"
+            if best
+            else f"did not write {args.write}: nothing fits"
+        )

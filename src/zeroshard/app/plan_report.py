@@ -1,0 +1,146 @@
+"""What `zeroshard plan` prints: the ranked table (or one JSON object), the config --write writes,
+and the paper's runs projected beside its reported figures."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def _gib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def _row(i: int | str, p, cpu: bool) -> str:
+    device = "-" if cpu else _gib(p.peak.device)
+    return (
+        f"{i!s:>3} {p.setup.name:<44} {device:>9} {_gib(p.peak.host):>9} {_gib(p.peak.disk):>8} "
+        f"{p.time.total:>9.3f} {p.tokens_per_s:>12,.0f}"
+    )
+
+
+def table(shape, hw, line, plans, batch, args, changes, verified) -> str:
+    cpu = hw.device == "cpu"
+    fit = [p for p in plans if p.fits]
+    lines = [
+        f"model: {shape.name}, Ψ = {shape.psi:,} ({shape.layers} layers, width {shape.width}); "
+        f"global batch {batch} x {args.seq_len} tokens, {args.precision}",
+        f"hardware: {line}",
+        f"peaks per rank ({'one memory: host holds all' if cpu else 'device, host, disk'}); "
+        f"step: one optimizer step",
+        f"{'#':>3} {'configuration':<44} {'dev GiB':>9} {'host GiB':>9} {'disk GiB':>8} {'step s':>9} "
+        f"{'tokens/s':>12}",
+    ]
+    lines += [_row(i + 1, p, cpu) for i, p in enumerate(fit[: args.top])]
+    if len(fit) > args.top:
+        lines.append(f"    ... and {len(fit) - args.top} more that fit")
+    over = [p for p in plans if not p.fits]
+    if over:
+        lines.append(f"{len(over)} do not fit, nearest first:")
+        seen = set()
+        for p in over:
+            key = (p.setup.stage, p.setup.offload_optimizer, p.setup.offload_param, p.setup.checkpointing)
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"    {p.setup.name:<44} {p.misfit}")
+            if len(seen) >= 6:
+                break
+    if not fit:
+        lines.append(
+            "Nothing fits."
+            + (
+                " Smallest changes that would fit, each alone: " + "; ".join(changes)
+                if changes
+                else " No single change tried (nvme offload, up to 1024x "
+                "the nodes, a shorter sequence) makes it fit."
+            )
+        )
+    else:
+        best = fit[0]
+        lines.append(
+            f"best: {best.setup.name}" + (f" (train with --tp {best.setup.mp})" if best.setup.mp > 1 else "")
+        )
+    for v in verified:
+        lines.append(f"verified {v['config']['name']}: predicted / measured")
+        for key in ("device_peak_bytes", "host_peak_bytes"):
+            pred, meas = v["predicted"][key], v["measured"][key]
+            err = "" if not pred or not meas else f" ({pred / meas - 1:+.0%})"
+            lines.append(f"    {key:<18} {_gib(pred):>9} / {_gib(meas):>9} GiB{err}")
+        pred, meas = v["predicted"]["step_s"], v["measured"]["step_s"]
+        lines.append(f"    {'step_s':<18} {pred:>9.3f} / {meas:>9.3f} s ({pred / meas - 1:+.0%})")
+    return "\n".join(lines)
+
+
+def _plan_dict(p) -> dict:
+    return {
+        "config": {**p.setup.__dict__, "name": p.setup.name},
+        "fits": p.fits,
+        "why_not": p.misfit,
+        "device_peak_bytes": p.peak.device,
+        "host_peak_bytes": p.peak.host,
+        "disk_bytes": p.peak.disk,
+        "parts": p.peak.parts,
+        "step_s": p.time.total,
+        "compute_s": p.time.compute,
+        "comm_s": p.time.comm,
+        "optimizer_s": p.time.optimizer,
+        "tokens_per_s": p.tokens_per_s,
+    }
+
+
+def plan_json(shape, hw, line, plans, batch, args, changes, verified) -> dict:
+    fit = [p for p in plans if p.fits]
+    return {
+        "model": {"name": shape.name, "psi": shape.psi, "layers": shape.layers, "width": shape.width},
+        "hardware": line,
+        "global_batch": batch,
+        "seq_len": args.seq_len,
+        "precision": args.precision,
+        "fits": [_plan_dict(p) for p in fit[: args.top]],
+        "best": _plan_dict(fit[0]) if fit else None,
+        "not_fitting": [_plan_dict(p) for p in plans if not p.fits][: args.top],
+        "smallest_changes": changes,
+        "verified": verified,
+    }
+
+
+def config_of(p, global_batch: int, nvme_path: str | None) -> dict:
+    """The DeepSpeed-style config of a plan, as `zeroshard train --config` and ZeroTrainer take it."""
+    s = p.setup
+    zero: dict = {"stage": s.stage}
+    for key, where in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
+        if where != "none":
+            zero[key] = {"device": where, **({"nvme_path": nvme_path} if where == "nvme" else {})}
+    config = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": s.accumulation,
+        "zero_optimization": zero,
+        "bf16": {"enabled": s.precision == "bf16"},
+        "fp16": {"enabled": s.precision == "fp16"},
+    }
+    if s.checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": s.mp > 1}
+    return config
+
+
+def paper_text(as_json: bool = False) -> str:
+    import json
+    from zeroshard.paper.plan import paper_projection
+
+    rows = paper_projection()
+    if as_json:
+        return json.dumps({"paper": rows}, indent=1)
+    lines = [
+        "The paper's runs on its hardware by public specifications (V100 32 GB, 125 TFLOP/s fp16 peak; "
+        "DGX-2 nodes of 16; docs/plan.md)",
+        f"{'run':<26} {'Ψ':>8} {'stage':>5} {'fits':>5} {'predicted TFLOP/s/GPU':>22} {'PFLOP/s':>8} "
+        f"{'reported':>34} {'error':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['case']:<26} {r['psi'] / 1e9:>7.1f}B {r['stage']:>5} {'yes' if r['fits'] else 'no':>5} "
+            f"{r['predicted_tflops_per_gpu']:>22.1f} {r['predicted_pflops']:>8.1f} {r['reported']:>34} "
+            f"{r['error']:>+7.0%}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""The planner: every configuration of a model on some machines, weighed by memory and step time.
+
+It enumerates ZeRO stages 0-3, optimizer offload (none, cpu, nvme; stage >= 1), parameter offload
+(stage 3), activation checkpointing, the model-parallel degree and the micro-batch (the global
+batch's per-rank share split into micro-batches and accumulation steps), predicts each one's peak
+bytes by place (plan_memory.py) and step time (plan_time.py), and ranks those that fit, fastest
+first. What does not fit says why; when nothing fits, `smallest_change` names the least change
+that would fit (nvme offload, more nodes, a shorter sequence). `paper_projection` runs the same
+model on the paper's hardware. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .estimate import GIB
+from .plan_memory import Peak, Setup, Shape, gpt2_shape, peak
+from .plan_time import Rates, StepTime, model_flops, step_time
+
+OFFLOADS = (
+    ("none", "none"),
+    ("cpu", "none"),
+    ("nvme", "none"),
+    ("none", "cpu"),
+    ("cpu", "cpu"),
+    ("nvme", "nvme"),
+)  # (optimizer, parameters)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Machines: `nodes` x `per_node` ranks. device_bytes per device; host_bytes and disk_bytes per
+    node (the node's ranks share them). device "cpu": the ranks are host processes (device memory is
+    host memory)."""
+
+    nodes: int
+    per_node: int
+    device_bytes: float
+    host_bytes: float
+    disk_bytes: float
+    rates: Rates
+    device: str = "cuda"
+    nvme: bool = True  # a disk path to offload to
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class Plan:
+    setup: Setup
+    peak: Peak
+    time: StepTime
+    misfit: str  # "" when it fits
+    tokens_per_s: float
+
+    @property
+    def fits(self) -> bool:
+        return not self.misfit
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def misfit(p: Peak, hw: Hardware) -> str:
+    """Why a rank's peak does not fit the hardware ("" when it does)."""
+    why = []
+    if hw.device != "cpu" and p.device > hw.device_bytes:
+        why.append(f"device {p.device / GIB:.1f} > {hw.device_bytes / GIB:.1f} GiB")
+    host = p.host * hw.per_node
+    if host > hw.host_bytes:
+        why.append(f"host {host / GIB:.1f} > {hw.host_bytes / GIB:.1f} GiB per node")
+    disk = p.disk * hw.per_node
+    if disk > hw.disk_bytes:
+        why.append(f"disk {disk / GIB:.1f} > {hw.disk_bytes / GIB:.1f} GiB free per node")
+    return "; ".join(why)
+
+
+def setups(
+    shape: Shape,
+    hw: Hardware,
+    global_batch: int,
+    seq: int,
+    precision: str,
+    mps: list[int] | None = None,
+    stages: list[int] | None = None,
+) -> list[Setup]:
+    """Every configuration to weigh. MP degrees: those given, else powers of 2 within a node that
+    divide the heads and leave a data-parallel degree that divides the global batch."""
+    out = []
+    if mps is None:
+        mps = [
+            m
+            for m in (1, 2, 4, 8, 16, 32, 64)
+            if m <= hw.per_node and hw.per_node % m == 0 and shape.heads % m == 0
+        ]
+    for mp in mps:
+        if hw.ranks % mp:
+            continue
+        dp = hw.ranks // mp
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        for micro in _divisors(per_rank):
+            for stage in stages if stages is not None else (0, 1, 2, 3):
+                for opt, par in OFFLOADS:
+                    if (opt != "none" and stage == 0) or (par != "none" and stage != 3):
+                        continue
+                    if "nvme" in (opt, par) and not hw.nvme:
+                        continue
+                    for ckpt in (False, True):
+                        out.append(Setup(stage, precision, opt, par, ckpt, mp, micro, per_rank // micro, seq))
+    return out
+
+
+def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:
+    p = peak(shape, setup, hw.ranks, hw.device)
+    t = step_time(shape, setup, hw.ranks, hw.rates)
+    tokens = setup.micro_batch * setup.accumulation * setup.seq * hw.ranks / setup.mp
+    return Plan(setup, p, t, misfit(p, hw), tokens / t.total)
+
+
+def plan(
+    shape: Shape,
+    hw: Hardware,
+    global_batch: int,
+    seq: int,
+    precision: str = "bf16",
+    mps: list[int] | None = None,
+    stages: list[int] | None = None,
+) -> list[Plan]:
+    """Every configuration weighed: those that fit first, fastest first (ties: least device memory);
+    then those that do not, nearest to fitting first."""
+    plans = [weigh(shape, s, hw) for s in setups(shape, hw, global_batch, seq, precision, mps, stages)]
+    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.peak.device, p.peak.host))
+    over = sorted(
+        (p for p in plans if not p.fits),
+        key=lambda p: max(
+            p.peak.device / hw.device_bytes if hw.device != "cpu" else 0,
+            p.peak.host * hw.per_node / hw.host_bytes,
+        ),
+    )
+    return fit + over
+
+
+def smallest_change(
+    shape: Shape,
+    hw: Hardware,
+    global_batch: int,
+    seq: int,
+    precision: str = "bf16",
+    mps: list[int] | None = None,
+) -> list[str]:
+    """When nothing fits: the least changes that make something fit, each alone."""
+    changes = []
+
+    def fits(h: Hardware, b: int, s: int) -> bool:
+        return any(p.fits for p in plan(shape, h, b, s, precision, mps))
+
+    if not hw.nvme and fits(replace(hw, nvme=True), global_batch, seq):
+        changes.append("nvme offload (give --nvme-path, a directory on a fast local disk)")
+    for factor in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        bigger = replace(hw, nodes=hw.nodes * factor)
+        batch = (
+            global_batch
+            if global_batch % bigger.ranks == 0
+            else bigger.ranks * -(-global_batch // bigger.ranks)
+        )
+        if fits(bigger, batch, seq):
+            more = f" and --global-batch {batch}" if batch != global_batch else ""
+            changes.append(f"more nodes: --nodes {bigger.nodes} ({bigger.ranks} devices){more}")
+            break
+    shorter = seq // 2
+    while shorter >= 16:
+        if fits(hw, global_batch, shorter):
+            changes.append(f"a shorter sequence: --seq-len {shorter}")
+            break
+        shorter //= 2
+    if global_batch > hw.ranks and fits(hw, hw.ranks, seq):
+        changes.append(f"a smaller global batch: --global-batch {hw.ranks}")
+    return changes
+
+
+# ---- the paper's scale ----------------------------------------------------------------------------
+# The hardware by its public specifications, nothing fitted to the answer: V100 SXM3 32 GB, 125 TFLOP/s
+# fp16 tensor-core peak, 900 GB/s HBM2; DGX-2: 16 GPUs on NVSwitch (NVLink 2: 6 x 25 GB/s each way),
+# 8 x 100 Gb/s InfiniBand per node (6.25 GB/s per GPU), PCIe 3 x16 (16 GB/s) to the host, 1.5 TB
+# of host memory, 30 TB of NVMe. The matrix rate a transformer sustains on one V100 is the figure
+# Megatron-LM published for its 1.2B model on a single V100 (39 TFLOP/s, 30% of peak; Shoeybi et al.
+# 2019): a measurement of the device, like this machine's calibration, not of ZeRO's runs.
+V100_PEAK = 125e12
+V100 = Rates(
+    matmul=39e12,
+    memory=900e9,
+    host_adam=1e9,
+    host_link=16e9,
+    collective=6.25e9,
+    mp_collective=150e9,
+    disk_read=2e9,
+    disk_write=2e9,
+    overlap=True,
+)
+DGX2 = dict(
+    per_node=16,
+    device_bytes=32510 * 2**20,  # (the 32 GB V100 as nvidia-smi reports it)
+    host_bytes=1.5e12,
+    disk_bytes=30e12,
+    rates=V100,
+)
+
+
+@dataclass(frozen=True)
+class PaperCase:
+    """A run the paper reports, with the figure it gives (TFLOP/s per GPU)."""
+
+    label: str
+    shape: Shape
+    gpus: int
+    mp: int
+    stage: int
+    batch_per_gpu: int
+    accumulation: int
+    reported_tflops: float
+    reported_note: str
+
+
+PAPER_CASES = (
+    # 100B: 125 layers of hidden 8192 (zero_r.py's example), MP 16 within a DGX-2, 25-way DP, P_os+g.
+    PaperCase(
+        "100B, 400 V100s, MP 16",
+        gpt2_shape("100B", 125, 8192, 64, 50257, 1024),
+        400,
+        16,
+        2,
+        16,
+        1,
+        38.0,
+        "~38 TFLOP/s per GPU, 15 PFLOP/s in all",
+    ),
+    # 13B without model parallelism: 40 layers of hidden 5120, P_os+g on 128 GPUs, 8 sequences per GPU
+    # in micro-batches of 2.
+    PaperCase(
+        "13B, 128 V100s, no MP",
+        gpt2_shape("13B", 40, 5120, 40, 50257, 1024),
+        128,
+        1,
+        2,
+        2,
+        4,
+        40.0,
+        "> 40 TFLOP/s per GPU",
+    ),
+)
+
+
+def paper_projection() -> list[dict]:
+    """Each paper case weighed on the paper's hardware: predicted TFLOP/s per GPU beside the
+    reported figure, the error, and whether the configuration fits 32 GB."""
+    rows = []
+    for case in PAPER_CASES:
+        hw = Hardware(nodes=-(-case.gpus // 16), **DGX2)
+        hw = replace(hw, per_node=case.gpus // hw.nodes)
+        dp = case.gpus // case.mp
+        setup = Setup(
+            case.stage,
+            "fp16",
+            checkpointing=True,
+            mp=case.mp,
+            micro_batch=case.batch_per_gpu,
+            accumulation=case.accumulation,
+            seq=1024,
+        )
+        plan_ = weigh(case.shape, setup, hw)
+        per_gpu = (
+            case.accumulation * model_flops(case.shape, setup) * 4 / 3 / plan_.time.total / 1e12
+        )  # recompute counted
+        rows.append(
+            {
+                "case": case.label,
+                "psi": case.shape.psi,
+                "gpus": case.gpus,
+                "mp": case.mp,
+                "dp": dp,
+                "stage": case.stage,
+                "predicted_tflops_per_gpu": per_gpu,
+                "predicted_pflops": per_gpu * case.gpus / 1e3,
+                "reported_tflops_per_gpu": case.reported_tflops,
+                "reported": case.reported_note,
+                "error": per_gpu / case.reported_tflops - 1,
+                "fits": plan_.fits,
+                "device_peak_gb": plan_.peak.device / 1e9,
+                "step_s": plan_.time.total,
+            }
+        )
+    return rows

@@ -1,0 +1,294 @@
+"""The planner's memory model: a rank's bytes by place (device, host, disk) for one configuration.
+
+Model states follow the paper's formulas (estimate.model_states) per flat buffer, plus what the
+engine adds to them: each unit's buffer padded to a multiple of the data-parallel degree N, one fp32
+Adam step counter per buffer, the fp32 master kept apart from the parameters wherever it is not
+their own storage (16 bits, or any offload), no 16-bit shard beside a stage-3 master on the device,
+disk offload's streaming buffers (buffer_count x the largest sub-group's files) and its parameter
+cache. With mp = 1 these are exactly the engine's memory_stats() on a CPU group; with mp > 1 each
+buffer is taken as split evenly over the MP ranks (the paper's assumption).
+
+Beside them, per rank: activations (what a transformer block saves for backward, ZeRO-R's
+checkpoints instead with activation checkpointing), the step's temporaries (a gathered unit and its
+prefetched neighbour, a full-size unit gradient, the fp32 gradient of one sub-group, the optimizer's
+per-element temporaries) and a fragmentation allowance. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .estimate import gpt2_params, llama_params
+from .formulas import BYTES_PER_PARAM
+from .zero_r import ACTIVATION_BYTES
+
+ADAM_STATES = 2  # exp_avg, exp_avg_sq: fp32 each
+STEP_COUNTER = 4  # torch's Adam keeps `step` as an fp32 scalar tensor per parameter
+SUB_GROUP_SIZE = 100_000_000  # config.zero.sub_group_size's default (elements)
+NVME_BUFFER_COUNT = 4  # offload_optimizer.buffer_count's default
+MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default (elements)
+ALIGN = 64  # disk offload's stream aligns each tensor's view to 64 bytes
+FRAGMENTATION = {"cuda": 0.05, "cpu": 0.0}  # of the device's peak: the caching allocator's rounding
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the planner needs of a decoder-only transformer. `units` holds the elements of each flat
+    buffer the engine builds (root first, then one per block); `positions` are learned position
+    embeddings (GPT-2 family; 0 with rotary positions)."""
+
+    name: str
+    family: str  # "gpt2" or "llama"
+    layers: int
+    width: int
+    heads: int
+    vocab: int
+    ffn: int
+    positions: int
+    psi: int
+    units: tuple[int, ...]
+    tied: bool = True  # the output head shares the token embedding
+
+
+def gpt2_shape(
+    name: str,
+    layers: int,
+    width: int,
+    heads: int,
+    vocab: int,
+    positions: int,
+    ffn: int | None = None,
+    tied: bool = True,
+    psi: int | None = None,
+) -> Shape:
+    """A GPT-2-style decoder (the built-in GPT is one: vocab 256, positions = its sequence length)."""
+    ffn = ffn or 4 * width
+    block = gpt2_params(1, width, 0, 0, ffn) - 2 * width  # (less the final LayerNorm)
+    total = gpt2_params(layers, width, vocab, positions, ffn, tied) if psi is None else psi
+    return Shape(
+        name,
+        "gpt2",
+        layers,
+        width,
+        heads,
+        vocab,
+        ffn,
+        positions,
+        total,
+        (total - layers * block,) + (block,) * layers,
+        tied,
+    )
+
+
+def llama_shape(
+    name: str,
+    layers: int,
+    width: int,
+    heads: int,
+    vocab: int,
+    ffn: int,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    tied: bool = False,
+    psi: int | None = None,
+) -> Shape:
+    """A LLaMA-style decoder (rotary positions, RMSNorm, SwiGLU, grouped-query attention)."""
+    block = llama_params(1, width, 0, ffn, heads, kv_heads, head_dim, True) - width
+    total = llama_params(layers, width, vocab, ffn, heads, kv_heads, head_dim, tied) if psi is None else psi
+    return Shape(
+        name,
+        "llama",
+        layers,
+        width,
+        heads,
+        vocab,
+        ffn,
+        0,
+        total,
+        (total - layers * block,) + (block,) * layers,
+        tied,
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration the planner weighs (per rank: micro_batch sequences of seq tokens)."""
+
+    stage: int
+    precision: str = "bf16"
+    offload_optimizer: str = "none"  # none, cpu, nvme
+    offload_param: str = "none"  # stage 3: none, cpu, nvme
+    checkpointing: bool = False  # ZeRO-R activation checkpointing
+    mp: int = 1
+    micro_batch: int = 1
+    accumulation: int = 1
+    seq: int = 1024
+
+    @property
+    def name(self) -> str:
+        parts = [f"stage {self.stage}", self.precision]
+        if self.offload_optimizer != "none":
+            parts.append(f"opt->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"param->{self.offload_param}")
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.mp > 1:
+            parts.append(f"mp {self.mp}")
+        return ", ".join(parts) + f", mb {self.micro_batch} x {self.accumulation}"
+
+
+@dataclass(frozen=True)
+class States:
+    """A rank's model states as memory_stats() names them (grads: in the step, `grads_in_step`), and
+    by place. device + host + disk == params + grads + optimizer + transfer."""
+
+    params: int
+    grads: int
+    optimizer: int
+    transfer: int
+    device: int
+    host: int
+    disk: int
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _pad(n: int, ranks: int) -> int:
+    return -(-n // ranks) * ranks
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def shards(shape: Shape, mp: int, dp: int) -> list[tuple[int, int]]:
+    """(padded elements, shard elements) of each flat buffer on one rank."""
+    out = []
+    for n in shape.units:
+        padded = _pad(-(-n // mp), dp)
+        out.append((padded, padded // dp))
+    return out
+
+
+def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> States:
+    """A rank's model states for `setup` on `nproc` ranks. `one_memory`: a CPU group, where the
+    offload's host copies are the device's own tensors (no transfer buffers)."""
+    s, dp = setup, nproc // setup.mp
+    pb, gb, _ = BYTES_PER_PARAM[s.precision]
+    off_opt, off_par = (
+        s.offload_optimizer != "none" and s.stage >= 1,
+        s.offload_param != "none" and s.stage == 3,
+    )
+    separate = pb != 4 or off_opt or off_par
+    params = grads = optimizer = disk = transfer = 0
+    group = groups = 0  # disk offload: bytes of the current sub-group, and of the largest
+    group_elems = cached = 0
+    for padded, shard in shards(shape, s.mp, dp):
+        p = (
+            0
+            if s.stage == 3 and pb == 2 and not (off_opt or off_par)
+            else pb * (shard if s.stage == 3 else padded)
+        )
+        owned = shard if s.stage >= 1 else padded
+        opt = ADAM_STATES * 4 * owned + STEP_COUNTER + (4 * owned if separate else 0)
+        params, grads = params + p, grads + gb * (shard if s.stage >= 2 else padded)
+        optimizer += opt
+        if off_opt and s.offload_optimizer == "nvme":
+            disk += (ADAM_STATES + 1) * 4 * owned
+            if group_elems and group_elems + owned > SUB_GROUP_SIZE:
+                group = group_elems = 0
+            group += (ADAM_STATES + 1) * _align(4 * owned)
+            group_elems += owned
+            groups = max(groups, group)
+        if off_par and s.offload_param == "nvme":
+            disk += p
+            if shard <= MAX_IN_CPU - cached:
+                cached += shard
+                transfer += p
+        if off_opt and not one_memory:  # the reduced gradient's host copy, and the update's way up
+            transfer += owned * (gb + (0 if off_par or pb == 4 else pb))
+    transfer += NVME_BUFFER_COUNT * groups
+    offloaded = optimizer if off_opt else 0
+    on_host = params if off_par else 0
+    host = offloaded + on_host + transfer - disk
+    device = params + grads + optimizer - offloaded - on_host
+    return States(params, grads, optimizer, transfer, device, host, disk)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Predicted peak bytes of one rank by place, and what makes them up."""
+
+    device: float
+    host: float
+    disk: float
+    parts: dict
+
+    @property
+    def total(self) -> float:
+        return self.device + self.host
+
+
+def activations(shape: Shape, setup: Setup) -> tuple[float, float]:
+    """(kept for backward, transient at backward's start) bytes of one micro-batch on one rank.
+
+    A block saves per token: its input and the two norms' outputs, q, k, v and the attention output
+    (and its reshaped copy), the MLP's hidden twice (before and after the activation) - 9d + 2f
+    elements (d width, f ffn; the gated MLP keeps three f-wide tensors), plus fp32 norm statistics and
+    the attention's log-sum-exp. MP splits the d- and f-wide ones. Checkpointing keeps the block's
+    input alone, and recomputes one block at a time. The head keeps the logits in the compute dtype
+    and their fp32 copy and log-softmax for the loss (vocab-wide; split over MP as Megatron's
+    vocab-parallel loss does)."""
+    a, tokens = ACTIVATION_BYTES[setup.precision], setup.micro_batch * setup.seq
+    d, f, mp = shape.width, shape.ffn, setup.mp
+    f_wide = 3 if shape.family == "llama" else 2
+    block = tokens * (a * (3 * d + (6 * d + f_wide * f) / mp) + 4 * (4 + shape.heads / mp))
+    logits = tokens * shape.vocab * (a + 8) / mp  # (vocab-parallel with MP, as Megatron's loss)
+    if setup.checkpointing:
+        kept = shape.layers * tokens * d * a / mp + block
+    else:
+        kept = shape.layers * block
+    embed = tokens * d * a * 2
+    # backward's first moments: the logits' gradient (fp32 and compute dtype) and one block's gradients
+    transient = tokens * shape.vocab * (4 + a) / mp + tokens * a * (2 * d + f / mp)
+    return kept + logits + embed, transient
+
+
+def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
+    """A rank's predicted peak by place: model states, activations, the step's temporaries and (on
+    a GPU) a fragmentation allowance. On a CPU group, device and host are one memory: `host`
+    holds everything and `device` is 0."""
+    st = states(shape, setup, nproc, one_memory=device == "cpu")
+    pb, gb, _ = BYTES_PER_PARAM[setup.precision]
+    dp = nproc // setup.mp
+    sh = shards(shape, setup.mp, dp)
+    kept, transient = activations(shape, setup)
+    largest_padded = max(p for p, _ in sh)
+    temp = 0.0
+    if setup.stage == 3:  # the gathered unit and the one prefetched beside it; the root stays gathered
+        temp += pb * (sh[0][0] + 2 * largest_padded)
+    if setup.stage >= 2:  # a unit's full-size gradient until its reduce-scatter is done; on a CPU
+        # group (gloo) every unit's, kept alive by its reduction in flight until backward ends
+        temp += gb * (sum(p for p, _ in sh) if device == "cpu" else largest_padded)
+    owned = sum(s if setup.stage >= 1 else p for p, s in sh)
+    step_group = min(owned, SUB_GROUP_SIZE)
+    off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
+    # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries
+    step = 4 * step_group * (2 if not off_opt else 1)
+    on_device = st.device + kept + max(transient + temp, step if not off_opt else 0)
+    host_extra = step if off_opt else 0
+    frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
+    parts = {
+        "model_states": st.model_states,
+        "activations": kept,
+        "transient": transient + temp,
+        "step": step,
+        "fragmentation": frag,
+        "transfer": st.transfer,
+    }
+    if device == "cpu":
+        return Peak(0.0, on_device + frag + st.host + host_extra, st.disk, parts)
+    return Peak(on_device + frag, st.host + host_extra, st.disk, parts)

@@ -1,0 +1,81 @@
+"""The planner's model shapes from what a user gives: a Hugging Face config.json, or Ψ with layers
+and width. Ψ is counted as `zeroshard estimate` counts it (estimate.hf_config_params); the unit
+split (a buffer per block, the rest in the root) follows the GPT-2 or LLaMA family's block."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .estimate import hf_config_params
+from .plan_memory import Shape, gpt2_shape, llama_shape
+
+
+def _key(config: Mapping, *names: str, default: int | None = None) -> int:
+    name = next((n for n in names if config.get(n) is not None), None)
+    if name is None:
+        if default is not None:
+            return default
+        raise ValueError(f"not a model config: it has none of {', '.join(names)}")
+    value = config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
+    """A decoder's Shape from its config.json; ValueError naming what is missing or wrong."""
+    if not isinstance(config, Mapping):
+        raise ValueError("not a model config: config.json must hold a JSON object")
+    layers, width = _key(config, "n_layer", "num_hidden_layers"), _key(config, "n_embd", "hidden_size")
+    heads, vocab = _key(config, "n_head", "num_attention_heads"), _key(config, "vocab_size")
+    psi = hf_config_params(config)
+    if "n_embd" in config or config.get("model_type") == "gpt2":
+        return gpt2_shape(
+            name,
+            layers,
+            width,
+            heads,
+            vocab,
+            _key(config, "n_positions", "max_position_embeddings"),
+            _key(config, "n_inner", default=4 * width),
+            bool(config.get("tie_word_embeddings", True)),
+            psi,
+        )
+    return llama_shape(
+        name,
+        layers,
+        width,
+        heads,
+        vocab,
+        _key(config, "intermediate_size"),
+        _key(config, "num_key_value_heads", default=heads),
+        _key(config, "head_dim", default=width // heads),
+        bool(config.get("tie_word_embeddings", False)),
+        psi,
+    )
+
+
+def shape_from_params(psi: float, layers: int, width: int, heads: int, vocab: int, seq: int) -> Shape:
+    """A GPT-2-style decoder of Ψ parameters: the root holds the embeddings (tied head) and the final
+    norm; the rest is shared evenly by the blocks (whatever their inner widths)."""
+    shape = gpt2_shape(f"{psi:.3g}", layers, width, heads, vocab, seq)
+    root = shape.units[0]
+    if psi < root + layers * 4 * width:
+        raise ValueError(
+            f"--params {psi:.4g} is fewer than the embeddings of width {width} hold with "
+            f"{layers} layers ({root + layers * 4 * width:.4g}): give more parameters, or less width"
+        )
+    block = (int(psi) - root) // layers
+    ffn = max(1, (block - 4 * width * width - 13 * width) // (2 * width + 1))  # the MLP's hidden width
+    return Shape(
+        shape.name,
+        "gpt2",
+        layers,
+        width,
+        heads,
+        vocab,
+        ffn,
+        seq,
+        int(psi),
+        (int(psi) - layers * block,) + (block,) * layers,
+    )

@@ -1,0 +1,124 @@
+"""The planner's step-time model: one optimizer step of one rank, from a machine's rates.
+
+A step is `accumulation` micro-batches of forward and backward, then the optimizer step:
+- compute: matrix flops (6Ψ per token for forward and backward over the rank's MP slice, 8Ψ with
+  checkpointing's recomputed forward, plus attention's 12·s·d per token and layer, halved by the
+  causal mask) at the matrix rate, and the elementwise work (the saved activations read and written
+  a few times) at the device's memory rate;
+- communication: the paper's volumes per rank (2Ψ for stages 0-2: reduce-scatter and all-gather;
+  3Ψ for stage 3, whose gathers repeat every micro-batch) in the compute dtype, each element crossing
+  the link (N-1)/N times in a ring, and Megatron's four all-reduces of the block's activations per
+  layer with MP; gradients reduce per micro-batch at stages 2-3, once per step at 0-1. With overlap
+  (a GPU) communication hides under compute, the longer of the two counting; on a CPU group the
+  collectives take the same cores, so they add;
+- the optimizer step: Adam over the rank's owned elements at the device (memory-bound) or host
+  Adam rate; with offload, the gradient's copy down and the update's copy up over the host link;
+  with disk offload, the optimizer's files read and written each step (overlapped with the host
+  step: the longer counts), and stage-3 parameter shards read from disk at each gather beyond
+  what the host cache holds.
+Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .formulas import BYTES_PER_PARAM
+from .plan_memory import Setup, Shape, activations, shards
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A machine's rates, per rank. Bytes and flops per second; `adam` in elements per second."""
+
+    matmul: float  # sustained matrix flops/s of one device, in the run's precision
+    memory: float  # the device's memory bandwidth (elementwise work, device Adam), bytes/s
+    host_adam: float  # host Adam (torch's fused CPU AdamW), elements/s for one rank
+    host_link: float  # host <-> device copies, bytes/s (0: one memory, no copies)
+    collective: float  # data-parallel collective bandwidth per rank (bytes/s of the link)
+    mp_collective: float  # model-parallel (within a node) collective bandwidth per rank, bytes/s
+    disk_read: float  # bytes/s
+    disk_write: float  # bytes/s
+    overlap: bool = True  # communication overlaps compute (a GPU's streams; not a CPU group)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    comm: float
+    optimizer: float
+    total: float
+
+
+def step_flops(shape: Shape, setup: Setup) -> float:
+    """Matrix flops of one micro-batch on one rank (with recompute when checkpointing)."""
+    tokens = setup.micro_batch * setup.seq
+    # every parameter is a matmul's but the embedding lookups' (the tied head's matrix is one)
+    dense = 2 * (shape.psi - shape.positions * shape.width - (0 if shape.tied else shape.vocab * shape.width))
+    attention = 2 * 2 * setup.seq * shape.width * shape.layers / 2  # QK^T and AV, causal: half
+    forward = tokens * (dense + attention) / setup.mp
+    return forward * (4 if setup.checkpointing else 3)
+
+
+def model_flops(shape: Shape, setup: Setup) -> float:
+    """The useful flops of one micro-batch (forward and backward, no recompute), for throughput."""
+    return step_flops(shape, Setup(**{**setup.__dict__, "checkpointing": False}))
+
+
+def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
+    s, dp = setup, nproc // setup.mp
+    pb, gb, _ = BYTES_PER_PARAM[s.precision]
+    kept, _ = activations(shape, s)
+    elementwise = 6 * kept * (4 / 3 if s.checkpointing else 1)  # each saved byte written, read, its grad
+    compute = s.accumulation * (step_flops(shape, s) / rates.matmul + elementwise / rates.memory)
+    ring = (dp - 1) / dp
+    slice_bytes = shape.psi / s.mp
+    if dp == 1:
+        dp_comm = 0.0
+    elif s.stage == 3:
+        dp_comm = s.accumulation * (2 * pb + gb) * slice_bytes * ring / rates.collective
+    elif s.stage == 2:
+        dp_comm = (s.accumulation * gb + pb) * slice_bytes * ring / rates.collective
+    else:
+        dp_comm = (gb + pb) * slice_bytes * ring / rates.collective
+    tokens = s.micro_batch * s.seq
+    mp_comm = (
+        0.0
+        if s.mp == 1
+        else s.accumulation
+        * shape.layers
+        * 4
+        * 2
+        * (s.mp - 1)
+        / s.mp
+        * tokens
+        * shape.width
+        * pb
+        / rates.mp_collective
+    )
+    comm = dp_comm + mp_comm
+    if s.checkpointing:  # the recomputed forward repeats its two all-reduces per layer
+        mp_comm *= 1.5
+    owned = sum(sh if s.stage >= 1 else p for p, sh in shards(shape, s.mp, dp))
+    off_opt = s.offload_optimizer != "none" and s.stage >= 1
+    if off_opt:
+        link = owned * (gb + pb) / rates.host_link if rates.host_link else 0.0
+        adam = owned / rates.host_adam
+        disk = (
+            owned * 12 * (1 / rates.disk_read + 1 / rates.disk_write)
+            if s.offload_optimizer == "nvme"
+            else 0.0
+        )
+        optimizer = max(adam, disk) + link
+    else:
+        optimizer = owned * (4 * 4 + 2 * 4) / rates.memory  # read p, g, m, v; write p, m, v (fp32)
+    if s.stage == 3 and s.offload_param != "none":
+        params_bytes = owned * pb
+        reads = 2 * s.accumulation * params_bytes
+        optimizer += reads / rates.host_link if rates.host_link else 0.0
+        if s.offload_param == "nvme":
+            optimizer += params_bytes * (1 / rates.disk_write)  # (the host cache spares the reads)
+    # Megatron's all-reduces sit between a layer's matmuls (on the critical path); the data-parallel
+    # collectives overlap compute where the device has streams for them
+    busy = (max(compute, dp_comm) if rates.overlap else compute + dp_comm) + mp_comm
+    return StepTime(compute, comm, optimizer, busy + optimizer)
