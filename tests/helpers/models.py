@@ -73,6 +73,43 @@ def batches(steps: int, global_batch: int, seed: int = 1234) -> list[tuple[torch
     return out
 
 
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    """SGD with momentum: unlike Adam, a gradient off by a constant factor shows in the weights."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def tiny_gpt(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def train_on_slices(engine, rank: int, world_size: int, steps: int = 4, global_batch: int = 12,
+                    before_forward=None, after_forward=None) -> list[float]:
+    """`steps` steps of TinyGPT on `batches`, each rank on its slice of every global batch (the
+    `sometimes` branch on even steps); the global loss per step: the mean of the ranks' local means
+    (equal local batch sizes). `before_forward()` and `after_forward()`, if given, run around each
+    forward."""
+    local, losses = global_batch // world_size, []
+    for step, (x, y) in enumerate(batches(steps, global_batch)):
+        mine = slice(rank * local, (rank + 1) * local)
+        if before_forward is not None:
+            before_forward()
+        out = engine(x[mine], use_sometimes=step % 2 == 0)
+        if after_forward is not None:
+            after_forward()
+        loss = loss_fn(out, y[mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    stacked = torch.stack(losses)
+    torch.distributed.all_reduce(stacked)
+    return (stacked / world_size).tolist()
+
+
 def rank_batch(rank: int, world_size: int, per_rank: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slice of one global batch of world_size x per_rank sequences."""
     x, y = batches(1, per_rank * world_size)[0]

@@ -13,37 +13,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
-from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
+from helpers.models import (TinyGPT, adamw, assert_matches_reference, reference_run, sgd, tiny_gpt,
+                            train_on_slices)
 from helpers.spawn import spawn
 from zeroshard.comm.topology import Topology, check_mics, read_topology
 
 STEPS, GLOBAL_BATCH = 4, 12
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _model(seed: int = 0) -> TinyGPT:
-    torch.manual_seed(seed)
-    return TinyGPT()
-
-
-def train(engine, rank: int, world_size: int) -> list[float]:
-    local, losses = GLOBAL_BATCH // world_size, []
-    for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
-        mine = slice(rank * local, (rank + 1) * local)
-        loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-    stacked = torch.stack(losses)
-    torch.distributed.all_reduce(stacked)
-    return (stacked / world_size).tolist()
 
 
 def _config(stage: int, shard: int, **zero) -> dict:
@@ -54,12 +29,12 @@ def _config(stage: int, shard: int, **zero) -> dict:
 def _parity(rank: int, world_size: int) -> None:
     """fp32, SGD (a gradient off by a constant factor shows) and AdamW; the ranks start from
     different seeds: every copy must begin from rank 0's values."""
-    for make_opt in (_sgd, _adamw):
-        ref_model, ref_losses = reference_run(_model, make_opt, STEPS, GLOBAL_BATCH)
+    for make_opt in (sgd, adamw):
+        ref_model, ref_losses = reference_run(tiny_gpt, make_opt, STEPS, GLOBAL_BATCH)
         for stage in (1, 2, 3):
-            engine = zeroshard.initialize(_model(seed=rank), make_opt, _config(stage, 2))
+            engine = zeroshard.initialize(tiny_gpt(seed=rank), make_opt, _config(stage, 2))
             assert engine.comm.world_size == 2 and engine.comm.replicas == world_size // 2
-            losses = train(engine, rank, world_size)
+            losses = train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
             what = f"MiCS 2 x {world_size // 2} stage {stage} {make_opt.__name__}"
             assert_matches_reference(engine, losses, ref_model, ref_losses, what)
             # Inter-node: only the replicas' all-reduce of each gradient shard (the shard groups
@@ -80,8 +55,8 @@ def _stage3_crosses_nodes(rank: int, world_size: int) -> None:
     both); the same model under MiCS 2 keeps all but the replica all-reduce inside."""
     counts = {}
     for shard in (-1, 2):
-        engine = zeroshard.initialize(_model(), _sgd, _config(3, shard))
-        train(engine, rank, world_size)
+        engine = zeroshard.initialize(tiny_gpt(), sgd, _config(3, shard))
+        train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
         step = engine.comm_stats()["last_step"]
         counts[shard] = (sum(v["inter_node_bytes"] for v in step.values()),
                          sum(v["bytes"] for v in step.values()))
@@ -103,22 +78,22 @@ def _exactly(engine, saved: dict[str, torch.Tensor], what: str) -> None:
 
 def _checkpoints(rank: int, world_size: int, root: str) -> None:
     """Saved under MiCS, loaded at plain stages and another shard size (and back), the same weights."""
-    engine = zeroshard.initialize(_model(), _adamw, _config(3, 2))
-    train(engine, rank, world_size)
+    engine = zeroshard.initialize(tiny_gpt(), adamw, _config(3, 2))
+    train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
     engine.save_checkpoint(root, "mics")
     saved = engine.full_state_dict()
     for stage, shard in ((3, -1), (1, -1), (2, 4), (0, -1)):
-        other = zeroshard.initialize(_model(seed=1), _adamw, _config(stage, shard))
+        other = zeroshard.initialize(tiny_gpt(seed=1), adamw, _config(stage, shard))
         other.load_checkpoint(root, "mics")
         _exactly(other, saved, f"MiCS -> stage {stage} shard {shard}")
         if (stage, shard) == (1, -1):
             other.save_checkpoint(root, "plain")
-    back = zeroshard.initialize(_model(seed=2), _adamw, _config(2, 2))
+    back = zeroshard.initialize(tiny_gpt(seed=2), adamw, _config(2, 2))
     back.load_checkpoint(root, "plain")
     _exactly(back, saved, "plain -> MiCS")
     # A mesh given directly: the same layout as mics_shard_size.
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    given = zeroshard.initialize(_model(seed=3), _adamw, {"zero_optimization": {"stage": 3}}, mesh=mesh)
+    given = zeroshard.initialize(tiny_gpt(seed=3), adamw, {"zero_optimization": {"stage": 3}}, mesh=mesh)
     given.load_checkpoint(root, "mics")
     assert given.comm.replicas == 2 and given.comm.world_size == 2
     _exactly(given, saved, "MiCS -> a given (replicate, shard) mesh")
@@ -153,13 +128,13 @@ def test_bad_layouts_are_refused_by_name():
 def _refused_in_initialize(rank: int, world_size: int) -> None:
     """Every rank refuses alike, before the first collective (none is left waiting)."""
     with pytest.raises(zeroshard.ConfigError, match="mics_shard_size 3 does not divide the 4 ranks"):
-        zeroshard.initialize(TinyGPT(), _sgd, _config(3, 3))
+        zeroshard.initialize(TinyGPT(), sgd, _config(3, 3))
     with pytest.raises(zeroshard.ConfigError, match="but initialize.. was also given mesh="):
-        zeroshard.initialize(TinyGPT(), _sgd, _config(3, 2), mesh=init_device_mesh("cpu", (4,)))
+        zeroshard.initialize(TinyGPT(), sgd, _config(3, 2), mesh=init_device_mesh("cpu", (4,)))
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # torchrun said 1 rank per node, the config 2
     try:
         with pytest.raises(zeroshard.ConfigError, match="ranks_per_node 2 but torchrun started 1"):
-            zeroshard.initialize(TinyGPT(), _sgd, _config(3, 2))
+            zeroshard.initialize(TinyGPT(), sgd, _config(3, 2))
     finally:
         del os.environ["LOCAL_WORLD_SIZE"]
 

@@ -12,7 +12,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
-from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
+from helpers.models import (TinyGPT, adamw, assert_matches_reference, reference_run, sgd, tiny_gpt,
+                            train_on_slices)
 from helpers.spawn import spawn
 from zeroshard.comm.collectives import Kind
 from zeroshard.comm.quantized import reduce_scatter_quantized
@@ -22,47 +23,30 @@ HPZ = {"zero_hpz_partition_size": 2}
 QUANTIZED = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _model(seed: int = 0) -> TinyGPT:
-    torch.manual_seed(seed)
-    return TinyGPT()
-
-
 def _engine(make_opt, seed: int = 0, bits: int = 4, **zero):
     # overlap_comm off: no unit kept gathered from forward into backward, so every backward gathers
     config = {"zero_optimization": {"stage": 3, "overlap_comm": False, **zero},
               "zeroshard": {"ranks_per_node": 2, **({"quantized_gradient_bits": bits} if bits != 4 else {})}}
-    return zeroshard.initialize(_model(seed), make_opt, config)
+    return zeroshard.initialize(tiny_gpt(seed), make_opt, config)
 
 
 def train(engine, rank: int, world_size: int, forward_bytes: list | None = None) -> list[float]:
     """Training steps; `forward_bytes` receives each step's all-gather bytes of its forward alone."""
-    local, losses = GLOBAL_BATCH // world_size, []
-    for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
-        mine = slice(rank * local, (rank + 1) * local)
-        before = engine.comm.window[Kind.ALL_GATHER].bytes
-        out = engine(x[mine], use_sometimes=step % 2 == 0)
-        if forward_bytes is not None:
-            forward_bytes.append(engine.comm.window[Kind.ALL_GATHER].bytes - before)
-        loss = loss_fn(out, y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-    stacked = torch.stack(losses)
-    torch.distributed.all_reduce(stacked)
-    return (stacked / world_size).tolist()
+    if forward_bytes is None:
+        return train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
+    comm, start = engine.comm, []  # (comm.window: a new one each step)
+
+    def before() -> None:
+        start.append(comm.window[Kind.ALL_GATHER].bytes)
+
+    def after() -> None:
+        forward_bytes.append(comm.window[Kind.ALL_GATHER].bytes - start.pop())
+    return train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH, before, after)
 
 
 def _hpz(rank: int, world_size: int) -> None:
-    for make_opt in (_sgd, _adamw):
-        ref_model, ref_losses = reference_run(_model, make_opt, STEPS, GLOBAL_BATCH)
+    for make_opt in (sgd, adamw):
+        ref_model, ref_losses = reference_run(tiny_gpt, make_opt, STEPS, GLOBAL_BATCH)
         plain, forward = _engine(make_opt), []
         train(plain, rank, world_size, forward)
         engine = _engine(make_opt, seed=rank, **HPZ)  # every copy must begin from rank 0's values
@@ -89,7 +73,7 @@ def _qgz_bound(rank: int, world_size: int) -> None:
     """Every rank's buffer with each rank's share at its own scale (1e-3, 1, 50, all zeros) and one
     huge value: each share of the mean within the bound of its two quantizations, int8 tighter than
     int4, and an all-zero share exactly zero."""
-    engine = _engine(_sgd, **QUANTIZED)
+    engine = _engine(sgd, **QUANTIZED)
     gen, shard = torch.Generator().manual_seed(100 + rank), 1024  # 4 blocks of 256 a share
     scales = torch.tensor([1e-3, 1.0, 50.0, 0.0]).repeat_interleave(shard)
     full = torch.randn(world_size * shard, generator=gen) * scales
@@ -121,10 +105,10 @@ def test_quantized_reduce_scatter_within_its_bound():
 
 
 def _quantized_training(rank: int, world_size: int, root: str) -> None:
-    exact = _engine(_adamw)
+    exact = _engine(adamw)
     exact_losses = train(exact, rank, world_size)
     for zero in ({**HPZ, **QUANTIZED}, QUANTIZED):
-        engine = _engine(_adamw, **zero)
+        engine = _engine(adamw, **zero)
         losses = train(engine, rank, world_size)
         assert all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(losses, exact_losses)), (zero, losses)
         full, reference = engine.full_state_dict(), exact.full_state_dict()
@@ -138,9 +122,9 @@ def _quantized_training(rank: int, world_size: int, root: str) -> None:
     # A ZeRO++ checkpoint is an ordinary one: into plain stage 3, and back, the same weights.
     engine.save_checkpoint(root, "zeropp")
     saved = engine.full_state_dict()
-    plain = _engine(_adamw, seed=1)
+    plain = _engine(adamw, seed=1)
     plain.load_checkpoint(root, "zeropp")
-    back = _engine(_adamw, seed=2, **HPZ, **QUANTIZED)
+    back = _engine(adamw, seed=2, **HPZ, **QUANTIZED)
     plain.save_checkpoint(root, "plain")
     back.load_checkpoint(root, "plain")
     for other in (plain, back):
@@ -174,11 +158,11 @@ def test_bad_zeropp_configs_are_refused_by_name():
 def _refused_in_initialize(rank: int, world_size: int) -> None:
     """Every rank refuses alike, before the first collective."""
     with pytest.raises(zeroshard.ConfigError, match="zero_hpz_partition_size 4 does not divide the 2 ranks"):
-        _engine(_sgd, zero_hpz_partition_size=4)
+        _engine(sgd, zero_hpz_partition_size=4)
     with pytest.raises(zeroshard.ConfigError, match="not built for a mesh= or process_group="):
-        zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 3, **QUANTIZED}},
+        zeroshard.initialize(TinyGPT(), sgd, {"zero_optimization": {"stage": 3, **QUANTIZED}},
                              mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
-    _engine(_sgd, bits=8, **HPZ, **QUANTIZED)  # and a good one still starts after them
+    _engine(sgd, bits=8, **HPZ, **QUANTIZED)  # and a good one still starts after them
 
 
 def test_bad_zeropp_layouts_are_refused_in_initialize():

@@ -7,57 +7,30 @@ import torch
 import zeroshard
 from zeroshard.core import flat_grad
 from helpers.spawn import spawn
-from helpers.models import TinyGPT, assert_matches_reference, batches, loss_fn, reference_run
+from helpers.models import (TinyGPT, adamw, assert_matches_reference, reference_run, sgd, tiny_gpt,
+                            train_on_slices)
 
 STEPS, GLOBAL_BATCH = 4, 12
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def _model(seed: int = 0) -> TinyGPT:
-    torch.manual_seed(seed)
-    return TinyGPT()
-
-
-def train(engine, rank: int, world_size: int) -> list[float]:
-    local = GLOBAL_BATCH // world_size
-    losses = []
-    for step, (x, y) in enumerate(batches(STEPS, GLOBAL_BATCH)):
-        mine = slice(rank * local, (rank + 1) * local)
-        loss = loss_fn(engine(x[mine], use_sometimes=step % 2 == 0), y[mine])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-    # The global loss is the mean of the ranks' local means (equal local batch sizes).
-    stacked = torch.stack(losses)
-    torch.distributed.all_reduce(stacked)
-    return (stacked / world_size).tolist()
-
-
 CASES = [  # (config extras, optimizer): both unit policies, tiny buckets, overlap, persistence threshold
-    ({"zeroshard": {"unit_modules": ["Block"]}}, _adamw),
-    ({"zero_optimization": {"overlap_comm": False}}, _sgd),  # stage 3 without prefetch
+    ({"zeroshard": {"unit_modules": ["Block"]}}, adamw),
+    ({"zero_optimization": {"overlap_comm": False}}, sgd),  # stage 3 without prefetch
     # SGD wherever gradient scale matters: AdamW would hide a gradient off by a constant factor.
     ({"zero_optimization": {"reduce_bucket_size": 50, "allgather_bucket_size": 70, "overlap_comm": True,
-                            "stage3_param_persistence_threshold": 100}}, _sgd),
+                            "stage3_param_persistence_threshold": 100}}, sgd),
 ]
 
 
 def _parity(rank: int, world_size: int, cases: list[int]) -> None:
     for case in cases:
         extra, make_opt = CASES[case]
-        ref_model, ref_losses = reference_run(_model, make_opt, STEPS, GLOBAL_BATCH)
+        ref_model, ref_losses = reference_run(tiny_gpt, make_opt, STEPS, GLOBAL_BATCH)
         for stage in range(4):
             config = {**extra, "zero_optimization": {**extra.get("zero_optimization", {}), "stage": stage}}
             # Other ranks start from another seed: initialize() must broadcast rank 0's values.
-            engine = zeroshard.initialize(_model(seed=rank), make_opt, config)
-            losses = train(engine, rank, world_size)
+            engine = zeroshard.initialize(tiny_gpt(seed=rank), make_opt, config)
+            losses = train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
             assert_matches_reference(engine, losses, ref_model, ref_losses,
                                      f"case {case} stage {stage} world {world_size}")
 
@@ -96,13 +69,13 @@ def _persistence(rank: int, world_size: int) -> None:
     gathered (and are all-gathered after each step), larger ones are gathered around each use.
     zeroshard's threshold applies to a flat buffer (a unit's parameters of one group), DeepSpeed's
     to each parameter."""
-    ref_model, ref_losses = reference_run(_mixed_model, _sgd, STEPS, GLOBAL_BATCH)
+    ref_model, ref_losses = reference_run(_mixed_model, sgd, STEPS, GLOBAL_BATCH)
     for threshold in (10_000, 100_000):
-        engine = zeroshard.initialize(_mixed_model(seed=rank), _sgd, {"zero_optimization": {
+        engine = zeroshard.initialize(_mixed_model(seed=rank), sgd, {"zero_optimization": {
             "stage": 3, "stage3_param_persistence_threshold": threshold}})
         trainable = [f for f in engine.flats if f.trainable]
         assert any(f.persistent for f in trainable) and not all(f.persistent for f in trainable), threshold
-        losses = train(engine, rank, world_size)
+        losses = train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
         assert_matches_reference(engine, losses, ref_model, ref_losses, f"threshold {threshold}")
 
 

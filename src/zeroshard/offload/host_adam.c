@@ -69,62 +69,46 @@ static inline float step_one(float g, float *restrict p, float *restrict m, floa
 }
 
 /* One loop per (gradient dtype, destination dtype, amsgrad) over fp32 and bf16, so each is
-   straight-line vector code. fp16 goes through them a block at a time (below). */
-#define LOOP(NAME, AMS, GT, LOAD, OT, STORE)                                                          \
-    static void NAME(float *restrict p, float *restrict m, float *restrict v, float *restrict vmax,  \
-                     const void *g_, void *out_, int64_t n, const params k) {                       \
-        const GT *restrict g = (const GT *)g_;                                                      \
-        OT *restrict out = (OT *)out_;                                                               \
-        (void)out;                                                                                   \
-        for (int64_t i = 0; i < n; i++) {                                                            \
-            float pv = step_one(LOAD, p + i, m + i, v + i, AMS ? vmax + i : 0, k, AMS);              \
-            STORE;                                                                                   \
-        }                                                                                            \
-    }
-#define LOOPS_FOR(A, AMS)                                                                            \
-    LOOP(f32_none##A, AMS, float, g[i], float, (void)pv)                                             \
-    LOOP(f32_f32##A, AMS, float, g[i], float, out[i] = pv)                                           \
-    LOOP(f32_bf16##A, AMS, float, g[i], uint16_t, out[i] = to_bf16(pv))                              \
-    LOOP(bf16_none##A, AMS, uint16_t, from_bf16(g[i]), float, (void)pv)                              \
-    LOOP(bf16_f32##A, AMS, uint16_t, from_bf16(g[i]), float, out[i] = pv)                            \
-    LOOP(bf16_bf16##A, AMS, uint16_t, from_bf16(g[i]), uint16_t, out[i] = to_bf16(pv))
-LOOPS_FOR(, 0)
-LOOPS_FOR(_ams, 1)
-
-typedef void (*loop_fn)(float *, float *, float *, float *, const void *, void *, int64_t, const params);
-static const loop_fn LOOPS[2][2][3] = {
-    {{f32_none, f32_f32, f32_bf16}, {bf16_none, bf16_f32, bf16_bf16}},
-    {{f32_none_ams, f32_f32_ams, f32_bf16_ams}, {bf16_none_ams, bf16_f32_ams, bf16_bf16_ams}}};
-
-/* The common case, its flags constants (folded away after inlining, no select left): no amsgrad, not
-   maximize, no L2 term, the usual betas (the small lerp weight), the factor always applied (x 1.0
-   changes no value), AdamW's decay on or off. The same arithmetic as the general loops. */
-#define COMMON(NAME, DECAYS, GT, LOAD, OT, STORE)                                                      \
+   straight-line vector code. fp16 goes through them a block at a time (below). SETUP may fix some
+   of the flags as constants (the common loops, below). */
+#define LOOP(NAME, AMS, SETUP, GT, LOAD, OT, STORE)                                                   \
     static void NAME(float *restrict p, float *restrict m, float *restrict v, float *restrict vmax,  \
                      const void *g_, void *out_, int64_t n, const params k) {                       \
         const GT *restrict g = (const GT *)g_;                                                      \
         OT *restrict out = (OT *)out_;                                                               \
         (void)out, (void)vmax;                                                                       \
         params c = k;                                                                                \
-        c.scale = 1, c.maximize = 0, c.l2 = 0, c.decays = DECAYS, c.lerp_small = 1;                  \
+        SETUP;                                                                                       \
         for (int64_t i = 0; i < n; i++) {                                                            \
-            float pv = step_one(LOAD, p + i, m + i, v + i, 0, c, 0);                                 \
+            float pv = step_one(LOAD, p + i, m + i, v + i, AMS ? vmax + i : 0, c, AMS);              \
             STORE;                                                                                   \
         }                                                                                            \
     }
-#define COMMON_FOR(D, DECAYS)                                                                        \
-    COMMON(c_f32_none##D, DECAYS, float, g[i], float, (void)pv)                                      \
-    COMMON(c_f32_f32##D, DECAYS, float, g[i], float, out[i] = pv)                                    \
-    COMMON(c_f32_bf16##D, DECAYS, float, g[i], uint16_t, out[i] = to_bf16(pv))                       \
-    COMMON(c_bf16_none##D, DECAYS, uint16_t, from_bf16(g[i]), float, (void)pv)                       \
-    COMMON(c_bf16_f32##D, DECAYS, uint16_t, from_bf16(g[i]), float, out[i] = pv)                     \
-    COMMON(c_bf16_bf16##D, DECAYS, uint16_t, from_bf16(g[i]), uint16_t, out[i] = to_bf16(pv))
-COMMON_FOR(, 0)
-COMMON_FOR(_decays, 1)
-static const loop_fn COMMON_LOOPS[2][2][3] = {
-    {{c_f32_none, c_f32_f32, c_f32_bf16}, {c_bf16_none, c_bf16_f32, c_bf16_bf16}},
-    {{c_f32_none_decays, c_f32_f32_decays, c_f32_bf16_decays},
-     {c_bf16_none_decays, c_bf16_f32_decays, c_bf16_bf16_decays}}};
+#define LOOPS_FOR(A, AMS, SETUP)                                                                     \
+    LOOP(f32_none##A, AMS, SETUP, float, g[i], float, (void)pv)                                      \
+    LOOP(f32_f32##A, AMS, SETUP, float, g[i], float, out[i] = pv)                                    \
+    LOOP(f32_bf16##A, AMS, SETUP, float, g[i], uint16_t, out[i] = to_bf16(pv))                       \
+    LOOP(bf16_none##A, AMS, SETUP, uint16_t, from_bf16(g[i]), float, (void)pv)                       \
+    LOOP(bf16_f32##A, AMS, SETUP, uint16_t, from_bf16(g[i]), float, out[i] = pv)                     \
+    LOOP(bf16_bf16##A, AMS, SETUP, uint16_t, from_bf16(g[i]), uint16_t, out[i] = to_bf16(pv))
+/* The common case with its flags as constants, folded away after inlining so no select is left: no
+   amsgrad, not maximize, no L2 term, the usual betas (the small lerp weight), the factor always
+   applied (x 1.0 changes no value), AdamW's decay on or off. The same arithmetic as the others. */
+#define COMMON(DECAYS) (c.scale = 1, c.maximize = 0, c.l2 = 0, c.decays = DECAYS, c.lerp_small = 1)
+LOOPS_FOR(, 0, (void)0)
+LOOPS_FOR(_ams, 1, (void)0)
+LOOPS_FOR(_common, 0, COMMON(0))
+LOOPS_FOR(_common_decays, 0, COMMON(1))
+
+typedef void (*loop_fn)(float *, float *, float *, float *, const void *, void *, int64_t, const params);
+static const loop_fn LOOPS[2][2][3] = {
+    {{f32_none, f32_f32, f32_bf16}, {bf16_none, bf16_f32, bf16_bf16}},
+    {{f32_none_ams, f32_f32_ams, f32_bf16_ams}, {bf16_none_ams, bf16_f32_ams, bf16_bf16_ams}}};
+static const loop_fn COMMON_LOOPS[2][2][3] = { /* [decays] */
+    {{f32_none_common, f32_f32_common, f32_bf16_common},
+     {bf16_none_common, bf16_f32_common, bf16_bf16_common}},
+    {{f32_none_common_decays, f32_f32_common_decays, f32_bf16_common_decays},
+     {bf16_none_common_decays, bf16_f32_common_decays, bf16_bf16_common_decays}}};
 
 /* fp16, converted a block at a time through buffers that stay in L1 (gcc does not vectorize
    _Float16 conversions; F16C does them eight at a time, rounding to nearest even as torch's do). */
