@@ -213,8 +213,8 @@ def snapshot(rev: str) -> str:
     change while a run of hours goes on."""
     global TREE
     TREE = tempfile.mkdtemp(prefix="zeroshard-snapshot-")
-    archive = subprocess.run(["git", "archive", rev, "src", "tests", "benchmarks", "pyproject.toml"],
-                             cwd=ROOT, capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "archive", rev, "src", "tests", "benchmarks", "examples", "docs",
+                              "pyproject.toml", "README.md"], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", TREE], input=archive, check=True)
     mutations.ROOT = TREE  # _copy_tree copies each mutant's tree from here
     return TREE

@@ -240,10 +240,15 @@ MUTATIONS = [
 
 
 def _copy_tree(dest: str) -> None:
-    for name in ("src", "tests", "benchmarks"):
-        shutil.copytree(os.path.join(ROOT, name), os.path.join(dest, name),
-                        ignore=shutil.ignore_patterns("__pycache__", "out", "*.egg-info"))
-    shutil.copy(os.path.join(ROOT, "pyproject.toml"), dest)
+    """What the tests read: the code, the tests, and the files some of them run as a user does (the
+    README's commands, examples/), so that no test fails in the copy for want of a file."""
+    for name in ("src", "tests", "benchmarks", "examples", "docs"):
+        if os.path.isdir(os.path.join(ROOT, name)):
+            shutil.copytree(os.path.join(ROOT, name), os.path.join(dest, name),
+                            ignore=shutil.ignore_patterns("__pycache__", "out", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        if os.path.exists(os.path.join(ROOT, name)):
+            shutil.copy(os.path.join(ROOT, name), dest)
 
 
 def _target_text(m: Mutation, tree: str) -> str:
