@@ -214,7 +214,8 @@ def snapshot(rev: str) -> str:
     global TREE
     TREE = tempfile.mkdtemp(prefix="zeroshard-snapshot-")
     archive = subprocess.run(["git", "archive", rev, "src", "tests", "benchmarks", "examples", "docs",
-                              "pyproject.toml", "README.md"], cwd=ROOT, capture_output=True, check=True).stdout
+                              "pyproject.toml", "README.md"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", TREE], input=archive, check=True)
     mutations.ROOT = TREE  # _copy_tree copies each mutant's tree from here
     return TREE
