@@ -40,7 +40,6 @@ _META_REFUSED = ("{func} asks for a tensor on the meta device under zeroshard.in
                  "zeroshard.init() (e.g. from_pretrained), then zeroshard.initialize() shards it")
 
 
-
 @dataclass
 class _Op:
     func: Any

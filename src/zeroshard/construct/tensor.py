@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_flatten
 aten = torch.ops.aten
 
 
-
 class Recorder(Protocol):
     """What a deferred tensor needs of the Recording that made it (recording.py implements it; the
     tensor knows only this interface, so the two modules do not import each other)."""

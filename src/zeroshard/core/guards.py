@@ -123,10 +123,6 @@ def guard_state_dict(unit: Unit) -> None:
         m.register_state_dict_post_hook(refuse)
 
 
-
-
-
-
 def _lost_load(unit: Unit) -> str | None:
     """Why a load_state_dict() into this unit's modules now would not last, or None."""
     if unit.edits is not Edits.NONE:

@@ -247,8 +247,6 @@ class Unit:
                 tensors, lambda grad: order.before_backward(self), mode="any")
 
 
-
-
 def install_hooks(units: list[Unit], order: UnitVisitor, policy: StagePolicy, defer_gather: bool,
                   rank: int, world_size: int) -> bool:
     """Stage 3: gather/free hooks on every unit. Stages 1-2 with zeroshard.defer_param_gather: the
