@@ -128,7 +128,8 @@ static void to_f16(_Float16 *restrict o, const float *restrict f, int64_t n) {
     int64_t i = 0;
 #ifdef __F16C__
     for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(o + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+        _mm_storeu_si128((__m128i *)(o + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; i < n; i++)
         o[i] = (_Float16)f[i];
@@ -151,12 +152,26 @@ static void in_blocks(int ams, float *p, float *m, float *v, float *vmax, const 
     }
 }
 
+static void dispatch(const int ams, const params k, float *p, float *m, float *v, float *vmax, const void *g,
+                     int g_dtype, void *out, int out_dtype, int64_t n) {
+    if (g_dtype == F16 || out_dtype == F16)
+        in_blocks(ams, p, m, v, vmax, g, g_dtype, out, out_dtype, n, k);
+    else if (!ams && !k.maximize && !k.l2 && k.lerp_small)
+        COMMON_LOOPS[k.decays][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
+    else
+        LOOPS[ams][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
+}
+
 /* The scalars are given as torch computes them, in double (lr / bias_correction1, ...), and
-   rounded to fp32 here, as torch's kernel rounds them. Returns 0, or -1 for an unknown dtype. */
+   rounded to fp32 here, as torch's kernel rounds them. Elements go in slices of `slice` (0: one
+   piece) over `threads` OpenMP threads where built with OpenMP: the same runtime as torch's
+   (libgomp.so.1, loaded with torch), so its idle threads and ours take turns instead of spinning
+   against each other. Any split gives the same bits (each element is on its own). Returns 0, or -1
+   for an unknown dtype. */
 int zeroshard_adam_step(float *p, float *m, float *v, float *vmax, const void *g, int g_dtype, void *out,
                         int out_dtype, int64_t n, double factor, int adamw, int maximize, int amsgrad,
                         double lr, double weight_decay, double beta1, double beta2, double eps,
-                        double step_size, double bc2_sqrt) {
+                        double step_size, double bc2_sqrt, int64_t slice, int threads) {
     if (g_dtype < F32 || g_dtype > F16 || out_dtype < NONE || out_dtype > F16)
         return -1;
     params k;
@@ -176,11 +191,16 @@ int zeroshard_adam_step(float *p, float *m, float *v, float *vmax, const void *g
     k.l2 = weight_decay != 0.0 && !adamw;
     k.decays = weight_decay != 0.0 && adamw;
     const int ams = amsgrad != 0;
-    if (g_dtype == F16 || out_dtype == F16)
-        in_blocks(ams, p, m, v, vmax, g, g_dtype, out, out_dtype, n, k);
-    else if (!ams && !k.maximize && !k.l2 && k.lerp_small)
-        COMMON_LOOPS[k.decays][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
-    else
-        LOOPS[ams][g_dtype][out_dtype + 1](p, m, v, vmax, g, out, n, k);
+    const int64_t step = slice > 0 ? slice : (n > 0 ? n : 1), pieces = (n + step - 1) / step;
+    const size_t g_size = g_dtype == F32 ? 4 : 2, o_size = out_dtype == F32 ? 4 : 2;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads > 0 ? threads : 1) if (pieces > 1)
+#endif
+    for (int64_t s = 0; s < pieces; s++) {
+        const int64_t a = s * step, len = n - a < step ? n - a : step;
+        dispatch(ams, k, p + a, m + a, v + a, ams ? vmax + a : 0, (const char *)g + g_size * a, g_dtype,
+                 out_dtype == NONE ? 0 : (char *)out + o_size * a, out_dtype, len);
+    }
     return 0;
 }

@@ -138,7 +138,9 @@ SLICE = 1 << 20  # elements a thread takes at a time (any split gives the same b
 
 def _update_in_one_loop(kernel: Any, group: dict[str, Any], state: dict[str, Any], values: torch.Tensor,
                         grad: torch.Tensor, factor: float, out: torch.Tensor | None, n: int) -> None:
-    """Elements [0, n) in host_adam.c's loop, slices of SLICE elements on the pool's threads."""
+    """Elements [0, n) in host_adam.c's loop, in slices of SLICE elements: over torch's OpenMP
+    threads where the loop was built with OpenMP, else on a pool of Python threads (which compete
+    with torch's idle OpenMP threads while those spin, after each of its parallel ops)."""
     beta1, beta2 = group["betas"]
     step = float(state["step"])  # torch's kernel reads the count as a float, computes in double
     bc1, bc2 = 1 - math.pow(beta1, step), 1 - math.pow(beta2, step)
@@ -151,15 +153,19 @@ def _update_in_one_loop(kernel: Any, group: dict[str, Any], state: dict[str, Any
     g, g_dtype = grad.data_ptr(), _DTYPES[grad.dtype]
     o, o_dtype = (out.data_ptr(), _DTYPES[out.dtype]) if out is not None else (None, -1)
 
-    def run(a: int) -> int:
-        b = min(a + SLICE, n)
-        return kernel(p + 4 * a, m + 4 * a, v + 4 * a, vmax and vmax + 4 * a, g + grad.element_size() * a,
-                      g_dtype, o and o + out.element_size() * a, o_dtype, b - a, *scalars)
-    pool = _loaded["pool"]
-    if n <= SLICE or pool is None:
-        codes = [run(a) for a in range(0, n, SLICE)]
-    else:  # slices taken as threads come free: a thread slowed by a neighbour takes fewer
-        codes = list(pool.map(run, range(0, n, SLICE)))
+    if _loaded["openmp"]:  # slices over torch's own OpenMP threads, in one call
+        codes = [kernel(p, m, v, vmax, g, g_dtype, o, o_dtype, n, *scalars, SLICE, torch.get_num_threads())]
+    else:
+        def run(a: int) -> int:
+            b = min(a + SLICE, n)
+            return kernel(p + 4 * a, m + 4 * a, v + 4 * a, vmax and vmax + 4 * a,
+                          g + grad.element_size() * a, g_dtype, o and o + out.element_size() * a, o_dtype,
+                          b - a, *scalars, 0, 1)
+        pool = _loaded["pool"]
+        if n <= SLICE or pool is None:
+            codes = [run(a) for a in range(0, n, SLICE)]
+        else:  # slices taken as threads come free: a thread slowed by a neighbour takes fewer
+            codes = list(pool.map(run, range(0, n, SLICE)))
     if any(codes):
         raise RuntimeError("zeroshard's host Adam loop refused its arguments (a dtype it does not take)")
 
@@ -174,30 +180,55 @@ def _kernel() -> Any:
     if capability not in ("AVX2", "AVX512") or os.environ.get("ZEROSHARD_HOST_ADAM") == "torch":
         return None  # (torch's kernels there round otherwise: its own, chunk by chunk)
     try:
-        library = ctypes.CDLL(_build())
+        path, openmp = _build()
+        library = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("zeroshard: the host's Adam loop could not be built (%s); offloaded steps run "
                        "torch's kernel chunk by chunk instead: the same results, slower", e)
         return None
     fn = library.zeroshard_adam_step
     p, i64, d, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, i, p, i, i64, d, i, i, i, d, d, d, d, d, d, d]
+    fn.argtypes = [p, p, p, p, p, i, p, i, i64, d, i, i, i, d, d, d, d, d, d, d, i64, i]
     fn.restype = i
     threads = torch.get_num_threads()
-    _loaded["kernel"] = fn
+    _loaded["kernel"], _loaded["openmp"] = fn, openmp
     _loaded["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-adam") \
-        if threads > 1 else None
+        if threads > 1 and not openmp else None
     return fn
 
 
-def _build() -> str:
+def _build() -> tuple[str, bool]:
     """host_adam.c compiled into the cache (ZEROSHARD_CACHE, else ~/.cache/zeroshard), once per
-    source, compiler and flags; written beside and renamed, so ranks building at once agree."""
+    source, compiler and flags; written beside and renamed, so ranks building at once agree. With
+    OpenMP where the compiler has it (libgomp.so.1: the copy torch loaded, by its soname), else
+    without. Returns the library and whether it uses OpenMP."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc) found")
+    error: Exception | None = None
+    for flags, openmp in ((_FLAGS + ["-fopenmp"], _torch_uses_gomp()), (_FLAGS, False)):
+        if not openmp and "-fopenmp" in flags:
+            continue  # (torch without libgomp: its OpenMP runtime is not one ours can share)
+        try:
+            return _compiled(compiler, flags), openmp
+        except (OSError, subprocess.SubprocessError) as e:
+            error = e
+    raise error
+
+
+def _torch_uses_gomp() -> bool:
+    """Has this process loaded GNU OpenMP (libgomp.so.1, with torch)? Then a library linked to it
+    shares torch's threads."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp.so.1" in f.read()
+    except OSError:
+        return False
+
+
+def _compiled(compiler: str, flags: list[str]) -> str:
     source = open(_SOURCE, "rb").read()
-    key = hashlib.sha256(source + " ".join([compiler] + _FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler] + flags).encode()).hexdigest()[:16]
     cache = os.environ.get("ZEROSHARD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zeroshard")
     target = os.path.join(cache, f"host_adam-{key}.so")
     if not os.path.exists(target):
@@ -205,7 +236,7 @@ def _build() -> str:
         fd, partial = tempfile.mkstemp(dir=cache, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, _SOURCE, "-o", partial], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, _SOURCE, "-o", partial], check=True, capture_output=True,
                            timeout=120)
             os.replace(partial, target)
         finally:
