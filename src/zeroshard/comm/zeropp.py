@@ -81,11 +81,11 @@ def _groups(blocks: list[list[int]], rank: int, topology: Topology) -> Group:
 
 
 def build_zeropp(zero, grad_bits: int, topology: Topology, rank: int, world_size: int) -> ZeroPP | None:
-    """The groups the config's ZeRO++ options need (None without any), over the whole world."""
+    """The groups the config's ZeRO++ options need (None without any), over the whole world. The
+    layout was checked before any collective (check_zeropp, from engine/checks.py)."""
     hpz = zero.zero_hpz_partition_size
     if hpz <= 1 and not zero.zero_quantized_weights and not zero.zero_quantized_gradients:
         return None
-    check_zeropp(hpz, topology, world_size)
     per_node, nodes = topology.ranks_per_node, world_size // topology.ranks_per_node
     secondary = node = cross = None
     if hpz > 1:

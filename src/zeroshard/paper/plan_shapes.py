@@ -4,6 +4,7 @@ split (a buffer per block, the rest in the root) follows the GPT-2 or LLaMA fami
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from .estimate import hf_config_params
@@ -67,15 +68,4 @@ def shape_from_params(psi: float, layers: int, width: int, heads: int, vocab: in
         )
     block = (int(psi) - root) // layers
     ffn = max(1, (block - 4 * width * width - 13 * width) // (2 * width + 1))  # the MLP's hidden width
-    return Shape(
-        shape.name,
-        "gpt2",
-        layers,
-        width,
-        heads,
-        vocab,
-        ffn,
-        seq,
-        int(psi),
-        (int(psi) - layers * block,) + (block,) * layers,
-    )
+    return replace(shape, ffn=ffn, psi=int(psi), units=(int(psi) - layers * block,) + (block,) * layers)
