@@ -208,6 +208,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     local = _check(parser, args)
     shape = shape_of(parser, args, args.seq_len)
     (hw, line), figures = _hardware(parser, args, local)
+    if local:
+        from .plan_verify import with_engine
+
+        hw = with_engine(hw, args.precision)
     if args.mp is not None and (hw.per_node % args.mp or shape.heads % args.mp):
         parser.error(
             f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"

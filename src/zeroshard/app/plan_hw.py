@@ -1,9 +1,7 @@
 """`zeroshard plan`'s hardware: this machine detected and calibrated, or another described by flags.
 
-Calibration is a short micro-benchmark (a few seconds; at most about 20 s on a busy machine): matrix
-throughput in the run's precision with the threads one rank gets, torch's fused CPU AdamW (host
-Adam), a host memory copy, host <-> device copies on a GPU, and a disk write and read under the
-offload path. The figures are cached in the user's cache directory (XDG_CACHE_HOME, else
+Calibration is a short micro-benchmark (plan_calibrate: about 10 s, at most about 30 s on a busy
+machine). The figures are cached in the user's cache directory (XDG_CACHE_HOME, else
 ~/.cache)/zeroshard/, keyed by the machine (host name, processor, cores, GPUs, torch version) and
 the precision and rank count; --recalibrate measures again.
 """
@@ -15,8 +13,6 @@ import json
 import os
 import platform
 import shutil
-import tempfile
-import time
 
 from zeroshard.paper.plan import Hardware
 from zeroshard.paper.plan_time import Rates
@@ -66,96 +62,20 @@ def machine_key(precision: str, ranks: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _timed(fn, repeat: int) -> float:
-    fn()  # warm up
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
-
-
-def _measure(precision: str, ranks: int, disk_dir: str, cuda: bool) -> dict:
-    import torch
-    from tqdm import tqdm
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))  # what one rank gets (train.start_rank)
-    out = {}
-    try:
-        with tqdm(total=5, desc="calibrate", leave=False) as bar:
-            # A transformer's MLP, forward and backward: the matrix work as a model does it (with
-            # its activation function and the backward's transposes), in the run's precision.
-            device = "cuda" if cuda else "cpu"
-            d, tokens = (4096, 8192) if cuda else (256, 1024)
-            mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-            mlp = mlp.to(device=device, dtype=dtype)
-            x = torch.randn(tokens, d, device=device, dtype=dtype, requires_grad=True)
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
-            seconds = _timed(lambda: (mlp(x).sum().backward(), sync()), 5 if cuda else 3)
-            out["matmul"] = 6 * tokens * 8 * d * d / seconds
-            bar.update()
-            big = torch.empty(16 << 20, dtype=torch.float32)
-            target = torch.empty_like(big)
-            out["memory"] = 2 * big.numel() * 4 / _timed(lambda: target.copy_(big), 3)  # read + write
-            if cuda:
-                dev = torch.empty(32 << 20, dtype=torch.float32, device="cuda")
-                pinned = torch.empty(32 << 20, dtype=torch.float32, pin_memory=True)
-                out["memory"] = 2 * dev.numel() * 4 / _timed(lambda: (dev.clone(), sync()), 3)
-                out["host_link"] = dev.numel() * 4 / _timed(lambda: (pinned.copy_(dev), sync()), 3)
-            else:
-                out["host_link"] = 0.0
-            bar.update()
-            p = torch.nn.Parameter(torch.zeros(4 << 20))
-            p.grad = torch.randn_like(p)
-            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-            out["host_adam"] = p.numel() / _timed(opt.step, 3)
-            bar.update()
-            out["disk_write"], out["disk_read"] = _disk_rate(disk_dir, bar)
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-def _disk_rate(folder: str, bar) -> tuple[float, float]:
-    """Write 64 MiB with fsync and read it back (dropped from the page cache first, where the
-    system lets us), in the folder the offload would use."""
-    size, block = 64 << 20, os.urandom(1 << 20)
-    fd, path = tempfile.mkstemp(dir=folder, prefix=".zeroshard-plan-")
-    try:
-        start = time.perf_counter()
-        with os.fdopen(fd, "wb") as f:
-            for _ in range(size >> 20):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        write = size / (time.perf_counter() - start)
-        bar.update()
-        with open(path, "rb") as f:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-            start = time.perf_counter()
-            while f.read(8 << 20):
-                pass
-        read = size / (time.perf_counter() - start)
-        bar.update()
-    finally:
-        os.unlink(path)
-    return write, read
-
-
 def calibrate(
     precision: str, ranks: int, disk_dir: str, cuda: bool, again: bool = False
 ) -> tuple[dict, bool]:
     """This machine's rates for one rank, from the cache or measured now: (figures, from_cache)."""
-    path = os.path.join(cache_dir(), f"calibration-{machine_key(precision, ranks)}.json")
+    path = os.path.join(cache_dir(), f"calibration2-{machine_key(precision, ranks)}.json")
     if not again and os.path.isfile(path):
         try:
             with open(path) as f:
                 return json.load(f), True
         except (OSError, ValueError):
             pass
-    figures = _measure(precision, ranks, disk_dir, cuda)
+    from .plan_calibrate import measure
+
+    figures = measure(precision, ranks, disk_dir, cuda)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(figures, f, indent=1)
@@ -163,19 +83,26 @@ def calibrate(
 
 
 def rates_of(figures: dict, cuda: bool) -> Rates:
-    """A rank's Rates from calibrated figures. On a CPU group the collectives run over gloo on the
-    same memory and cores: taken at a quarter of the copy bandwidth, not overlapping compute."""
+    """A rank's Rates from calibrated figures (plan_calibrate). On a CPU group the collectives are
+    gloo's, measured among the run's ranks, and do not overlap compute (they take the same cores);
+    a GPU's collectives, not measured on one GPU, are taken at NVLink's rate within a node."""
     memory = figures["memory"]
+    measured = {k: figures.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather", "latency")}
     return Rates(
         matmul=figures["matmul"],
         memory=memory,
         host_adam=figures["host_adam"],
         host_link=figures.get("host_link", 0.0),
-        collective=figures.get("collective", memory / 4),
-        mp_collective=memory / 4,
+        collective=memory / 4 if not cuda else 150 * GB,
+        mp_collective=memory / 4 if not cuda else 150 * GB,
         disk_read=figures["disk_read"],
         disk_write=figures["disk_write"],
         overlap=cuda,
+        layer_fixed=figures.get("layer_fixed", 0.0),
+        elementwise=figures.get("elementwise", 0.0),
+        weights=figures.get("weights", 0.0),
+        device_adam=figures.get("device_adam", 0.0),
+        **measured,
     )
 
 

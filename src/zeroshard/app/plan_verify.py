@@ -9,12 +9,14 @@ The baseline is taken as the rank starts, before its process group;
 what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is a
 pair of reference runs' measured growth against their predicted peaks (runtime_bytes: a fixed part
 and an overhead per byte), measured once per machine and applied to the prediction, cached beside
-the calibration. Step time: the median micro-batch step times the accumulation steps."""
+the calibration. Step time: the median over optimizer steps (the first left out) of the sum of
+their micro-batches' times."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 from dataclasses import replace
 
@@ -22,12 +24,11 @@ from zeroshard.paper.plan import Plan
 from zeroshard.paper.plan_memory import Shape
 
 
-def _args(cli, shape: Shape, p: Plan | None, hw, batch: int, out: str, config: str | None,
-          reference: tuple[str, int] | None = None):
+def _args(cli, p: Plan, hw, out: str, config: str):
     from .train import TrainArgs
 
-    s = p.setup if p is not None else None
-    base = dict(
+    s = p.setup
+    return TrainArgs(
         device=hw.device,
         nproc=hw.ranks,
         save=False,
@@ -39,18 +40,6 @@ def _args(cli, shape: Shape, p: Plan | None, hw, batch: int, out: str, config: s
         size=cli.model or "small",
         layers=cli.layers,
         width=cli.width,
-    )
-    if s is None:  # a reference run (runtime_bytes): its built-in size, two steps
-        return TrainArgs(
-            **{**base, "size": reference[0], "layers": None, "width": None, "hf_config": None},
-            stage=0,
-            steps=2,
-            batch_size=1,
-            seq_len=reference[1],
-            precision="fp32",
-        )
-    return TrainArgs(
-        **base,
         stage=s.stage,
         steps=cli.verify_steps * s.accumulation,
         batch_size=s.micro_batch,
@@ -66,6 +55,15 @@ def _args(cli, shape: Shape, p: Plan | None, hw, batch: int, out: str, config: s
     )
 
 
+def _reference_args(hw, size: str, seq: int, precision: str, out: str):
+    """A reference run (engine_reference): a built-in size, stage 0, one sequence, a few steps."""
+    from .train import TrainArgs
+
+    return TrainArgs(device=hw.device, nproc=hw.ranks, save=False, quiet=True, sample_tokens=0,
+                     out=out, data=[], size=size, stage=0, steps=4, batch_size=1, seq_len=seq,
+                     precision=precision)
+
+
 def _status(field: str) -> int:
     """A figure of /proc/self/status in bytes (VmRSS: resident now; VmHWM: this process's peak)."""
     with open("/proc/self/status") as f:
@@ -79,11 +77,15 @@ def measured_worker(args) -> dict:
     """train.worker, with the host peak measured from this process's own memory: the resident
     bytes at the start against the peak after (VmHWM, reset first where the kernel lets us). The
     worker's own figure (getrusage's ru_maxrss) starts at the launching process's resident size,
-    which a spawned child inherits, and so reads 0 for any run smaller than the launcher."""
+    which a spawned child inherits, and so reads 0 for any run smaller than the launcher. The
+    libraries the run needs (torch, zeroshard, transformers for a Hugging Face model) are loaded
+    before the baseline: their code is not the model's memory."""
     import zeroshard
 
     from .train import worker
 
+    if args.hf_config:  # the libraries a run needs are loaded before its baseline, as torch is
+        import transformers  # noqa: F401
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak to the resident size now
@@ -99,38 +101,65 @@ def measured_worker(args) -> dict:
 REFERENCES = (("tiny", 16), ("medium", 16))  # the reference runs' built-in sizes and sequence length
 
 
-def runtime_bytes(cli, shape: Shape, hw, figures: dict | None) -> tuple[float, float]:
-    """What a CPU rank holds beyond the model's own bytes, as (fixed, per_byte): the runtime's fixed
-    bytes (the corpus, the libraries' workspaces, less what the process had already peaked at before
-    its baseline) and the allocator's overhead per predicted byte (freed memory it keeps). From two
-    reference runs (a tiny and a medium built-in GPT, stage 0, fp32, one sequence of 16): measured
-    growth = fixed + (1 + per_byte) x predicted, solved for both. Measured once per machine and rank
-    count, and cached; never fitted to the configurations a plan verifies."""
-    from zeroshard.paper.plan_memory import Setup, gpt2_shape, peak
+def engine_reference(hw, precision: str) -> dict:
+    """What a CPU rank costs beyond the model's own bytes and arithmetic, from two reference runs
+    (a tiny and a medium built-in GPT, stage 0, one sequence of 16, the plan's precision):
+    - memory: measured growth = fixed + (1 + per_byte) x predicted peak, solved for both: the
+      runtime's fixed bytes (the corpus, the libraries' workspaces, less what the process had
+      already peaked at before its baseline) and the allocator's overhead per byte (freed memory
+      it keeps);
+    - time: measured step = predicted + step_fixed + step_per_param x Ψ, solved for both: the
+      engine's own work (its hooks and bookkeeping, the gradients landing in its flat buffers, the
+      casts around the step) that the calibrated rates of plain torch do not see. The reference
+      runs take one micro-batch per step, so they cannot tell a micro-batch's share from the
+      step's: the fixed part is counted per micro-batch, the per-parameter part once per step.
+    Measured once per machine, precision and rank count (cached); never fitted to the
+    configurations a plan weighs or verifies."""
+    from zeroshard.paper.plan import weigh
+    from zeroshard.paper.plan_memory import Setup, gpt2_shape
     from .gpt import config_for
     from .plan_hw import cache_dir, machine_key
     from .train import launch
 
-    path = os.path.join(cache_dir(), f"runtime3-{machine_key('fp32', hw.ranks)}.json")
+    path = os.path.join(cache_dir(), f"engine-{machine_key(precision, hw.ranks)}.json")
     if os.path.isfile(path):
         with open(path) as f:
-            cached = json.load(f)
-        return cached["fixed"], cached["per_byte"]
+            return json.load(f)
     points = []
     for size, seq in REFERENCES:
         with tempfile.TemporaryDirectory() as out:
-            result = launch(_args(cli, shape, None, hw, 0, out, None, reference=(size, seq)), measured_worker)
+            result = launch(_reference_args(hw, size, seq, precision, out), measured_worker)
         cfg = config_for(size, None, None, seq)
         ref = gpt2_shape(size, cfg.layers, cfg.width, cfg.heads, cfg.vocab_size, cfg.seq_len)
-        points.append((peak(ref, Setup(0, "fp32", micro_batch=1, seq=seq), hw.ranks, "cpu").host,
-                       float(result["rss_growth"])))
-    (p0, m0), (p1, m1) = points
+        p = weigh(ref, Setup(0, precision, micro_batch=1, seq=seq), hw)
+        points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
+                       optimizer_step_s(result["step_s_each"], 1) - p.time.total))
+    (p0, m0, psi0, r0), (p1, m1, psi1, r1) = points
     per_byte = max(0.0, (m1 - m0) / (p1 - p0) - 1)
-    fixed = max(0.0, m0 - (1 + per_byte) * p0)
+    per_param = max(0.0, (r1 - r0) / (psi1 - psi0))
+    found = {"fixed": max(0.0, m0 - (1 + per_byte) * p0), "per_byte": per_byte,
+             "step_fixed": max(0.0, r0 - per_param * psi0), "step_per_param": per_param, "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"fixed": fixed, "per_byte": per_byte, "references": points}, f)
-    return fixed, per_byte
+        json.dump(found, f)
+    return found
+
+
+def optimizer_step_s(micro_batch_s: list[float], accumulation: int) -> float:
+    """The median time of one optimizer step: its micro-batches' times summed, the first step
+    (warm-up) left out where there are more."""
+    steps = [sum(micro_batch_s[i:i + accumulation]) for i in range(0, len(micro_batch_s), accumulation)]
+    return statistics.median(steps[1:] or steps)
+
+
+def with_engine(hw, precision: str):
+    """This CPU machine's Hardware with the engine's own step costs (engine_reference) in its
+    rates; a GPU's unchanged (its engine work hides under the device's queue)."""
+    if hw.device != "cpu":
+        return hw
+    found = engine_reference(hw, precision)
+    rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"])
+    return replace(hw, rates=rates)
 
 
 def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict | None) -> list[dict]:
@@ -138,7 +167,8 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict |
     from .plan_report import config_of
     from .train import launch
 
-    fixed, per_byte = runtime_bytes(cli, shape, hw, figures) if hw.device == "cpu" else (0.0, 0.0)
+    engine = engine_reference(hw, plans[0].setup.precision) if hw.device == "cpu" else {}
+    fixed, per_byte = engine.get("fixed", 0.0), engine.get("per_byte", 0.0)
     out = []
     for p in plans:
         with tempfile.TemporaryDirectory() as folder:
@@ -150,7 +180,7 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict |
             import argparse
 
             with ranks_report_errors(argparse.ArgumentParser(prog="zeroshard plan --verify")):
-                result = launch(_args(cli, shape, p, hw, batch, folder, config), measured_worker)
+                result = launch(_args(cli, p, hw, folder, config), measured_worker)
         cpu = hw.device == "cpu"
         predicted = {
             "device_peak_bytes": None if cpu else p.peak.device,
@@ -160,7 +190,7 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict |
         measured = {
             "device_peak_bytes": None if cpu else float(result["gpu_peak"]),
             "host_peak_bytes": float(result["rss_growth"]),
-            "step_s": result["step_ms"] / 1000 * p.setup.accumulation,
+            "step_s": optimizer_step_s(result["step_s_each"], p.setup.accumulation),
         }
         out.append(
             {

@@ -230,6 +230,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
             print(report_line(resumed))
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
+            "step_s_each": times,
             "model_states": stats["model_states_in_step"], "psi": engine.num_parameters(),
             "bytes_per_param": bytes_per_param(engine.optimizer, args.precision),
             "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks),

@@ -3,19 +3,21 @@
 A step is `accumulation` micro-batches of forward and backward, then the optimizer step:
 - compute: matrix flops (6Ψ per token for forward and backward over the rank's MP slice, 8Ψ with
   checkpointing's recomputed forward, plus attention's 12·s·d per token and layer, halved by the
-  causal mask) at the matrix rate, and the elementwise work (the saved activations read and written
-  a few times) at the device's memory rate;
+  causal mask) at the matrix rate; where calibrated, the activations' elementwise work, the
+  per-parameter work and each layer's dispatch cost at their fitted rates (else the saved
+  activations moved a few times at the device's memory rate);
 - communication: the paper's volumes per rank (2Ψ for stages 0-2: reduce-scatter and all-gather;
-  3Ψ for stage 3, whose gathers repeat every micro-batch) in the compute dtype, each element crossing
-  the link (N-1)/N times in a ring, and Megatron's four all-reduces of the block's activations per
-  layer with MP; gradients reduce per micro-batch at stages 2-3, once per step at 0-1. With overlap
-  (a GPU) communication hides under compute, the longer of the two counting; on a CPU group the
-  collectives take the same cores, so they add;
-- the optimizer step: Adam over the rank's owned elements at the device (memory-bound) or host
-  Adam rate; with offload, the gradient's copy down and the update's copy up over the host link;
-  with disk offload, the optimizer's files read and written each step (overlapped with the host
-  step: the longer counts), and stage-3 parameter shards read from disk at each gather beyond
-  what the host cache holds.
+  3Ψ for stage 3, whose gathers repeat every micro-batch) in the compute dtype, at each
+  collective's measured rate where calibrated (gloo), else each element crossing the link
+  (N-1)/N times in a ring; a latency per unit and collective; Megatron's four all-reduces of the
+  block's activations per layer with MP. Gradients reduce per micro-batch at stages 2-3, once
+  per step at 0-1. With overlap (a GPU) communication hides under compute, the longer of the two
+  counting; on a CPU group the collectives take the same cores, so they add;
+- the optimizer step: Adam over the rank's owned elements at the device's measured (else
+  memory-bound) or the host Adam rate; with offload, the gradient's copy down and the update's
+  copy up over the host link; with disk offload, the optimizer's files read and written each step
+  (overlapped with the host step: the longer counts), and stage-3 parameter shards read from
+  disk at each gather beyond what the host cache holds.
 Pure arithmetic.
 """
 
@@ -29,7 +31,9 @@ from .plan_memory import Setup, Shape, activations, shards
 
 @dataclass(frozen=True)
 class Rates:
-    """A machine's rates, per rank. Bytes and flops per second; `adam` in elements per second."""
+    """A machine's rates, per rank. Bytes and flops per second; `adam` in elements per second. The
+    fields after `overlap` are calibrated on this machine (app/plan_calibrate); 0 means not
+    measured, and the simpler model beside each is used."""
 
     matmul: float  # sustained matrix flops/s of one device, in the run's precision
     memory: float  # the device's memory bandwidth (elementwise work, device Adam), bytes/s
@@ -40,6 +44,16 @@ class Rates:
     disk_read: float  # bytes/s
     disk_write: float  # bytes/s
     overlap: bool = True  # communication overlaps compute (a GPU's streams; not a CPU group)
+    layer_fixed: float = 0.0  # s per layer and micro-batch: dispatch (0: the kernels' launch ignored)
+    elementwise: float = 0.0  # activation elements/s (0: the saved bytes moved at `memory`)
+    weights: float = 0.0  # parameters/s: per-parameter work of a forward and backward (0: none)
+    device_adam: float = 0.0  # the device optimizer, elements/s (0: memory-bound at `memory`)
+    all_reduce: float = 0.0  # full-size bytes/s among the data-parallel ranks (0: a ring at `collective`)
+    reduce_scatter: float = 0.0
+    all_gather: float = 0.0
+    latency: float = 0.0  # s per collective
+    engine_fixed: float = 0.0  # the engine's own work per micro-batch, s (app/plan_verify.engine_reference)
+    engine_per_param: float = 0.0  # ... and per step and parameter of the rank's model slice, s
 
 
 @dataclass(frozen=True)
@@ -65,22 +79,59 @@ def model_flops(shape: Shape, setup: Setup) -> float:
     return step_flops(shape, Setup(**{**setup.__dict__, "checkpointing": False}))
 
 
+def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
+    """Forward and backward of one micro-batch: matrix flops, the activations' elementwise work,
+    the per-parameter work and each layer's dispatch cost (with recompute: a third more of each),
+    and the engine's own fixed work per micro-batch where calibrated."""
+    tokens, f_wide = s.micro_batch * s.seq, 3 if shape.family == "llama" else 2
+    recompute = 4 / 3 if s.checkpointing else 1.0
+    if rates.elementwise:  # calibrated: the block's elements as the calibration counts them
+        per_layer = tokens * (9 * shape.width + f_wide * shape.ffn) / s.mp
+        elements = recompute * shape.layers * per_layer + 2 * tokens * shape.vocab / s.mp
+        elementwise = elements / rates.elementwise
+    else:
+        kept, _ = activations(shape, s)
+        elementwise = 6 * kept * recompute / rates.memory  # each saved byte written, read, its grad
+    weights = shape.psi / s.mp / rates.weights if rates.weights else 0.0
+    dispatch = (shape.layers * recompute + 1) * rates.layer_fixed
+    return step_flops(shape, s) / rates.matmul + elementwise + weights + dispatch + rates.engine_fixed
+
+
+def collective_time(kind: str, full_bytes: float, dp: int, rates: Rates) -> float:
+    """One collective of `full_bytes` (the unsharded size) among dp ranks: at the measured rate for
+    its kind, else each element crossing the link (dp - 1) / dp times in a ring (twice for an
+    all-reduce)."""
+    measured = getattr(rates, kind)
+    if measured:
+        return full_bytes / measured
+    return full_bytes * (dp - 1) / dp * (2 if kind == "all_reduce" else 1) / rates.collective
+
+
+def dp_comm_time(shape: Shape, s: Setup, dp: int, rates: Rates) -> float:
+    """The data-parallel collectives of one step: the paper's volumes (stage 0: an all-reduce of the
+    gradients; 1: their reduce-scatter and the parameters' all-gather; 2: the reduce-scatter every
+    micro-batch; 3: two gathers and a reduce-scatter every micro-batch), plus each collective's
+    latency, one per unit."""
+    if dp == 1:
+        return 0.0
+    pb, gb, _ = BYTES_PER_PARAM[s.precision]
+    params, grads = shape.psi / s.mp * pb, shape.psi / s.mp * gb
+    calls = {
+        0: [("all_reduce", grads, 1)],
+        1: [("reduce_scatter", grads, 1), ("all_gather", params, 1)],
+        2: [("reduce_scatter", grads, s.accumulation), ("all_gather", params, 1)],
+        3: [("reduce_scatter", grads, s.accumulation), ("all_gather", params, 2 * s.accumulation)],
+    }[s.stage]
+    latency = len(shape.units) * rates.latency
+    return sum(n * (collective_time(kind, size, dp, rates) + latency) for kind, size, n in calls)
+
+
 def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
     s, dp = setup, nproc // setup.mp
     pb, gb, _ = BYTES_PER_PARAM[s.precision]
-    kept, _ = activations(shape, s)
-    elementwise = 6 * kept * (4 / 3 if s.checkpointing else 1)  # each saved byte written, read, its grad
-    compute = s.accumulation * (step_flops(shape, s) / rates.matmul + elementwise / rates.memory)
-    ring = (dp - 1) / dp
-    slice_bytes = shape.psi / s.mp
-    if dp == 1:
-        dp_comm = 0.0
-    elif s.stage == 3:
-        dp_comm = s.accumulation * (2 * pb + gb) * slice_bytes * ring / rates.collective
-    elif s.stage == 2:
-        dp_comm = (s.accumulation * gb + pb) * slice_bytes * ring / rates.collective
-    else:
-        dp_comm = (gb + pb) * slice_bytes * ring / rates.collective
+    # the engine's per-parameter work (casts, gradient bookkeeping) counted once per step
+    compute = s.accumulation * compute_time(shape, s, rates) + rates.engine_per_param * shape.psi / s.mp
+    dp_comm = dp_comm_time(shape, s, dp, rates)
     tokens = s.micro_batch * s.seq
     mp_comm = (
         0.0
@@ -111,7 +162,11 @@ def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
         )
         optimizer = max(adam, disk) + link
     else:
-        optimizer = owned * (4 * 4 + 2 * 4) / rates.memory  # read p, g, m, v; write p, m, v (fp32)
+        optimizer = (
+            owned / rates.device_adam
+            if rates.device_adam
+            else owned * (4 * 4 + 2 * 4) / rates.memory  # read p, g, m, v; write p, m, v (fp32)
+        )
     if s.stage == 3 and s.offload_param != "none":
         params_bytes = owned * pb
         reads = 2 * s.accumulation * params_bytes

@@ -1,0 +1,223 @@
+"""`zeroshard plan`'s calibration: this machine's rates, measured in a few seconds.
+
+- **A transformer block** (the built-in GPT's), forward and backward in the run's precision with
+  the threads one rank gets, at six (width, tokens) shapes, fitted by least squares (relative
+  error) to t = fixed + flops / matmul + activation elements / elementwise + parameters / weights: the
+  dispatch cost of a layer, the matrix rate (one large product, measured alone: at a CPU's small
+  shapes the elementwise work dominates and a fitted matrix rate is noise), the rate of the
+  elementwise work (norms, activation functions, softmax, casts) and of the per-parameter work
+  (reading weights, accumulating their gradients). One rate from one large matmul misjudges small
+  shapes several-fold; the fit holds within about 10% over the shapes measured.
+- **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
+  CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
+- **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
+  an all-gather of 8 MiB (full-size bytes per second) and of 4 KiB (the latency per collective).
+- A host memory copy, host <-> device copies on a GPU, and a disk write and read under the offload
+  path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+
+GPU_SHAPES = [(1024, 2048), (1024, 8192), (2048, 2048), (2048, 8192), (4096, 1024), (4096, 4096)]
+CPU_SHAPES = [(64, 64), (64, 1024), (256, 256), (512, 64), (512, 1024), (1024, 256)]
+SEQ = {"cuda": 512, "cpu": 64}
+
+
+def timed(fn, repeat: int) -> float:
+    """The fastest of `repeat` calls after a warm-up (a busy machine only ever adds time)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def block_terms(width: int, tokens: int, seq: int) -> list[float]:
+    """The fit's regressors for one block's forward and backward: 1, flops, activation elements
+    (9d + 2f per token, f = 4d), parameters (12 d^2)."""
+    flops = 6 * tokens * 12 * width * width + 6 * 2 * tokens * seq * width / 2
+    return [1.0, flops, tokens * (9 * width + 8 * width), 12.0 * width * width]
+
+
+def fit(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """Least squares in relative error, every coefficient >= 0 (a negative one is dropped and the
+    rest fitted again)."""
+    import torch
+
+    keep = list(range(len(rows[0])))
+    while True:
+        a = torch.tensor([[r[k] / s for k in keep] for r, s in zip(rows, seconds)], dtype=torch.float64)
+        b = torch.ones(len(rows), 1, dtype=torch.float64)
+        solved = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
+        if min(solved) >= 0 or len(keep) == 1:
+            out = [0.0] * len(rows[0])
+            for k, c in zip(keep, solved):
+                out[k] = max(c, 0.0)
+            return out
+        keep = [k for k, c in zip(keep, solved) if c >= 0]
+
+
+def matmul_rate(dtype, device: str, sync) -> float:
+    """Flops/s of one large matrix product (an MLP's first layer: tokens x d by d x 4d)."""
+    import torch
+
+    tokens, d = (8192, 4096) if device == "cuda" else (1024, 1024)
+    a = torch.randn(tokens, d, device=device, dtype=dtype)
+    b = torch.randn(d, 4 * d, device=device, dtype=dtype)
+    return 2 * tokens * d * 4 * d / timed(lambda: (a @ b, sync()), 3)
+
+
+def block_rates(dtype, device: str, sync) -> dict:
+    """matmul (flop/s, one large product), then fitted over a block's forward and backward at six
+    shapes: layer_fixed (s), elementwise (elements/s), weights (parameters/s)."""
+    import torch
+
+    from .gpt import Block, GPTConfig
+
+    matmul = matmul_rate(dtype, device, sync)
+    rows, seconds, seq = [], [], SEQ[device]
+    for width, tokens in GPU_SHAPES if device == "cuda" else CPU_SHAPES:
+        block = Block(GPTConfig(layers=1, width=width, heads=max(1, width // 64), seq_len=seq))
+        block = block.to(device=device, dtype=dtype)
+        x = torch.randn(max(1, tokens // seq), seq, width, device=device, dtype=dtype, requires_grad=True)
+        once, flops, elements, params = block_terms(width, tokens, seq)
+        seconds.append(max(timed(lambda: (block(x).float().sum().backward(), sync()), 3) - flops / matmul,
+                           1e-6))
+        rows.append([once, elements, params])
+    c = fit(rows, seconds)
+    inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
+    return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1]}
+
+
+def adam_rate(device: str, fused: bool | None) -> float:
+    """Elements per second of torch's AdamW over one 4 Mi-element fp32 tensor."""
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(4 << 20, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=fused)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return p.numel() / timed(lambda: (opt.step(), sync()), 3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collectives_rank(rank: int, ranks: int, port: int, dtype, out: str) -> None:
+    """One rank of the collectives' timing, through zeroshard's Comm (the path the engine takes:
+    on gloo a reduce-scatter is an all-to-all and a local sum)."""
+    import torch
+
+    import zeroshard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    zeroshard.ensure_process_group(timeout_s=120, backend="gloo")
+    comm, figures = zeroshard.Comm(), {}
+    for label, nbytes in (("", 8 << 20), ("latency", 2 << 10)):
+        numel = nbytes // torch.tensor([], dtype=dtype).element_size() // ranks * ranks
+        full, part = torch.ones(numel, dtype=dtype), torch.ones(numel // ranks, dtype=dtype)
+        ops = {
+            "all_reduce": lambda: comm.all_reduce(full),
+            "reduce_scatter": lambda: comm.reduce_scatter(part, full),
+            "all_gather": lambda: comm.all_gather(full, part),
+        }
+        for name, op in ops.items():
+            comm.barrier()
+            seconds = timed(op, 5)
+            if label:
+                figures[label] = min(figures.get(label, seconds), seconds)
+            else:
+                figures[name] = numel * full.element_size() / seconds
+    if rank == 0:
+        import json
+
+        with open(out, "w") as f:
+            json.dump(figures, f)
+
+
+def collective_rates(ranks: int, dtype) -> dict:
+    """all_reduce, reduce_scatter, all_gather (full-size bytes/s) and latency (s) among `ranks` gloo
+    processes on this machine."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "collectives.json")
+        mp.start_processes(_collectives_rank, args=(ranks, _free_port(), dtype, out), nprocs=ranks,
+                           start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def disk_rate(folder: str) -> tuple[float, float]:
+    """Write 64 MiB with fsync and read it back (dropped from the page cache first, where the
+    system lets us), in the folder the offload would use."""
+    size, block = 64 << 20, os.urandom(1 << 20)
+    fd, path = tempfile.mkstemp(dir=folder, prefix=".zeroshard-plan-")
+    try:
+        start = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        write = size / (time.perf_counter() - start)
+        with open(path, "rb") as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            start = time.perf_counter()
+            while f.read(8 << 20):
+                pass
+        read = size / (time.perf_counter() - start)
+    finally:
+        os.unlink(path)
+    return write, read
+
+
+def measure(precision: str, ranks: int, disk_dir: str, cuda: bool) -> dict:
+    """Every figure above, for one rank of `ranks` on this machine (progress on a tqdm bar)."""
+    import torch
+    from tqdm import tqdm
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))  # what one rank gets (train.start_rank)
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out: dict = {}
+    try:
+        with tqdm(total=5, desc="calibrate", leave=False) as bar:
+            out.update(block_rates(dtype, device, sync))
+            bar.update()
+            big = torch.empty(16 << 20, dtype=torch.float32)
+            target = torch.empty_like(big)
+            out["memory"] = 2 * big.numel() * 4 / timed(lambda: target.copy_(big), 3)  # read + write
+            out["host_link"] = 0.0
+            if cuda:
+                dev = torch.empty(32 << 20, dtype=torch.float32, device="cuda")
+                pinned = torch.empty(32 << 20, dtype=torch.float32, pin_memory=True)
+                out["memory"] = 2 * dev.numel() * 4 / timed(lambda: (dev.clone(), sync()), 3)
+                out["host_link"] = dev.numel() * 4 / timed(lambda: (pinned.copy_(dev), sync()), 3)
+            out["device_adam"] = adam_rate(device, True if cuda else None)
+            out["host_adam"] = adam_rate("cpu", True)
+            bar.update()
+            if not cuda and ranks > 1:
+                out.update(collective_rates(ranks, dtype))
+            bar.update()
+            out["disk_write"], out["disk_read"] = disk_rate(disk_dir)
+            bar.update(2)
+    finally:
+        torch.set_num_threads(threads)
+    return out
