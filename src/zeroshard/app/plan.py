@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     h.add_argument("--tflops", type=float, help="sustained matrix TFLOP/s per GPU (default 100)")
     h.add_argument("--host-adam", type=float, help="host Adam, G elements/s per rank (default 1)")
     h.add_argument("--h2d-gbps", type=float, help="host <-> device GB/s (default 20)")
-    h.add_argument("--disk-gbps", type=float, help="disk GB/s (default 2)")
+    h.add_argument("--disk-gbps", type=float, help="disk GB/s per node, shared by its GPUs (default 2)")
     h.add_argument("--nproc", type=int, help="this machine: ranks (default every GPU, else 2 CPU ranks)")
     p.add_argument(
         "--nvme-path",

@@ -82,10 +82,11 @@ def calibrate(
     return figures, False
 
 
-def rates_of(figures: dict, cuda: bool) -> Rates:
+def rates_of(figures: dict, cuda: bool, ranks: int = 1) -> Rates:
     """A rank's Rates from calibrated figures (plan_calibrate). On a CPU group the collectives are
     gloo's, measured among the run's ranks, and do not overlap compute (they take the same cores);
-    a GPU's collectives, not measured on one GPU, are taken at NVLink's rate within a node."""
+    a GPU's collectives, not measured on one GPU, are taken at NVLink's rate within a node. The
+    disk is the machine's: its measured rate is shared by the `ranks` that offload to it at once."""
     memory = figures["memory"]
     measured = {k: figures.get(k, 0.0) for k in ("all_reduce", "reduce_scatter", "all_gather", "latency")}
     return Rates(
@@ -95,8 +96,8 @@ def rates_of(figures: dict, cuda: bool) -> Rates:
         host_link=figures.get("host_link", 0.0),
         collective=memory / 4 if not cuda else 150 * GB,
         mp_collective=memory / 4 if not cuda else 150 * GB,
-        disk_read=figures["disk_read"],
-        disk_write=figures["disk_write"],
+        disk_read=figures["disk_read"] / ranks,
+        disk_write=figures["disk_write"] / ranks,
         overlap=cuda,
         layer_fixed=figures.get("layer_fixed", 0.0),
         elementwise=figures.get("elementwise", 0.0),
@@ -117,14 +118,13 @@ def local_hardware(nproc: int | None, figures: dict, disk_dir: str | None) -> tu
     if cuda:
         gpus = nproc or torch.cuda.device_count()
         mem = torch.cuda.get_device_properties(0).total_memory
-        hw = Hardware(
-            1, gpus, float(mem), host, float(disk), rates_of(figures, True), "cuda", disk_dir is not None
-        )
+        rates = rates_of(figures, True, gpus)
+        hw = Hardware(1, gpus, float(mem), host, float(disk), rates, "cuda", disk_dir is not None)
         line = f"{gpus} x {torch.cuda.get_device_name(0)} ({mem / 2**30:.1f} GiB)"
     else:
         ranks = nproc or 2
         hw = Hardware(
-            1, ranks, host, host, float(disk), rates_of(figures, False), "cpu", disk_dir is not None
+            1, ranks, host, host, float(disk), rates_of(figures, False, ranks), "cpu", disk_dir is not None
         )
         line = f"{ranks} CPU ranks (gloo) on {os.cpu_count()} cores"
     line += f", {host / 2**30:.1f} GiB host memory available"
@@ -152,8 +152,8 @@ def given_hardware(args) -> tuple[Hardware, str]:
         host_link=pick("h2d_gbps", OTHER["h2d_gbps"]) * GB,
         collective=link / per_node if pick("nodes", 1) > 1 else 150 * GB,
         mp_collective=150 * GB,
-        disk_read=disk_gbps * GB,
-        disk_write=disk_gbps * GB,
+        disk_read=disk_gbps * GB / per_node,  # (one node's disks, shared by its ranks)
+        disk_write=disk_gbps * GB / per_node,
     )
     hw = Hardware(
         int(pick("nodes", 1)),

@@ -80,12 +80,18 @@ def measured_worker(args) -> dict:
     which a spawned child inherits, and so reads 0 for any run smaller than the launcher. The
     libraries the run needs (torch, zeroshard, transformers for a Hugging Face model) are loaded
     before the baseline: their code is not the model's memory."""
+    import torch
+
     import zeroshard
 
     from .train import worker
 
-    if args.hf_config:  # the libraries a run needs are loaded before its baseline, as torch is
-        import transformers  # noqa: F401
+    zeroshard.initialize  # noqa: B018 - the libraries a run needs are loaded before its baseline:
+    if args.hf_config:  # the engine's modules, and a Hugging Face model's (about 90 MiB of imports)
+        from zeroshard.hf import causal_lm_from_config
+
+        with torch.device("meta"):
+            causal_lm_from_config(args.hf_config, args.seq_len)
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak to the resident size now

@@ -11,11 +11,14 @@ model on the paper's hardware. Pure arithmetic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .estimate import GIB
 from .plan_memory import Peak, Setup, Shape, gpt2_shape, peak
 from .plan_time import Rates, StepTime, model_flops, step_time
+
+TIE = 0.02  # step times this close (relative) rank as equal: the model's error is larger
 
 OFFLOADS = (
     ("none", "none"),
@@ -131,10 +134,12 @@ def plan(
     mps: list[int] | None = None,
     stages: list[int] | None = None,
 ) -> list[Plan]:
-    """Every configuration weighed: those that fit first, fastest first (ties: least device memory);
-    then those that do not, nearest to fitting first."""
+    """Every configuration weighed: those that fit first, fastest first (ties: least device memory,
+    then host; times within TIE of each other are ties: the model cannot tell them apart); then
+    those that do not, nearest to fitting first."""
     plans = [weigh(shape, s, hw) for s in setups(shape, hw, global_batch, seq, precision, mps, stages)]
-    fit = sorted((p for p in plans if p.fits), key=lambda p: (p.time.total, p.peak.device, p.peak.host))
+    fit = sorted((p for p in plans if p.fits),
+                 key=lambda p: (round(math.log(p.time.total) / math.log1p(TIE)), p.peak.device, p.peak.host))
     over = sorted(
         (p for p in plans if not p.fits),
         key=lambda p: max(

@@ -173,6 +173,20 @@ def shards(shape: Shape, mp: int, dp: int) -> list[tuple[int, int]]:
     return out
 
 
+def disk_sub_groups(shape: Shape, s: Setup, dp: int) -> tuple[int, int]:
+    """Disk offload's sub-groups (buffers of up to SUB_GROUP_SIZE elements, in order): how many,
+    and the bytes of the largest's files (master, exp_avg, exp_avg_sq, each aligned)."""
+    count = group = largest = elements = 0
+    for padded, shard in shards(shape, s.mp, dp):
+        owned = shard if s.stage >= 1 else padded
+        if not elements or elements + owned > SUB_GROUP_SIZE:
+            count, group, elements = count + 1, 0, 0
+        group += (ADAM_STATES + 1) * _align(4 * owned)
+        elements += owned
+        largest = max(largest, group)
+    return count, largest
+
+
 def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> States:
     """A rank's model states for `setup` on `nproc` ranks. `one_memory`: a CPU group, where the
     offload's host copies are the device's own tensors (no transfer buffers)."""
@@ -184,8 +198,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
     )
     separate = pb != 4 or off_opt or off_par
     params = grads = optimizer = disk = transfer = 0
-    group = groups = 0  # disk offload: bytes of the current sub-group, and of the largest
-    group_elems = cached = 0
+    cached = 0
     for padded, shard in shards(shape, s.mp, dp):
         p = (
             0
@@ -198,11 +211,6 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
         optimizer += opt
         if off_opt and s.offload_optimizer == "nvme":
             disk += (ADAM_STATES + 1) * 4 * owned
-            if group_elems and group_elems + owned > SUB_GROUP_SIZE:
-                group = group_elems = 0
-            group += (ADAM_STATES + 1) * _align(4 * owned)
-            group_elems += owned
-            groups = max(groups, group)
         if off_par and s.offload_param == "nvme":
             disk += p
             if shard <= MAX_IN_CPU - cached:
@@ -210,7 +218,8 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
                 transfer += p
         if off_opt and not one_memory:  # the reduced gradient's host copy, and the update's way up
             transfer += owned * (gb + (0 if off_par or pb == 4 else pb))
-    transfer += NVME_BUFFER_COUNT * groups
+    if off_opt and s.offload_optimizer == "nvme":
+        transfer += NVME_BUFFER_COUNT * disk_sub_groups(shape, s, dp)[1]
     offloaded = optimizer if off_opt else 0
     on_host = params if off_par else 0
     host = offloaded + on_host + transfer - disk
@@ -289,6 +298,10 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
         "fragmentation": frag,
         "transfer": st.transfer,
     }
-    if device == "cpu":
+    if device == "cpu":  # disk offload's buffers are plain memory here, resident only where used:
+        # a step takes one per sub-group in turn, so fewer sub-groups than buffers leave some untouched
+        if off_opt and setup.offload_optimizer == "nvme":
+            count, largest = disk_sub_groups(shape, setup, dp)
+            host_extra -= max(0, NVME_BUFFER_COUNT - count) * largest
         return Peak(0.0, on_device + frag + st.host + host_extra, st.disk, parts)
     return Peak(on_device + frag, st.host + host_extra, st.disk, parts)

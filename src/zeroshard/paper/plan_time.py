@@ -41,7 +41,7 @@ class Rates:
     host_link: float  # host <-> device copies, bytes/s (0: one memory, no copies)
     collective: float  # data-parallel collective bandwidth per rank (bytes/s of the link)
     mp_collective: float  # model-parallel (within a node) collective bandwidth per rank, bytes/s
-    disk_read: float  # bytes/s
+    disk_read: float  # bytes/s for one rank (a node's disks are shared by its ranks)
     disk_write: float  # bytes/s
     overlap: bool = True  # communication overlaps compute (a GPU's streams; not a CPU group)
     layer_fixed: float = 0.0  # s per layer and micro-batch: dispatch (0: the kernels' launch ignored)

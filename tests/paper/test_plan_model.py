@@ -1,0 +1,74 @@
+"""The planner's step-time model and calibration as arithmetic: the fit recovers known rates, the
+engine's calibrated costs land where they are counted (per micro-batch, per step), measured
+collective rates replace the ring model, a verified step is whole optimizer steps, and disk
+offload's buffers are resident on a CPU only where a sub-group uses them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from zeroshard.app.plan_calibrate import block_terms, fit
+from zeroshard.app.plan_verify import optimizer_step_s
+from zeroshard.paper import plan_memory
+from zeroshard.paper.plan_memory import Setup, disk_sub_groups, gpt2_shape, peak, states
+from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time
+
+RATES = Rates(matmul=1e11, memory=1e10, host_adam=1e9, host_link=0.0, collective=1e9, mp_collective=1e9,
+              disk_read=1e9, disk_write=1e9, overlap=False, layer_fixed=1e-3, elementwise=2e8,
+              weights=5e8, device_adam=1e8)
+SHAPE = gpt2_shape("medium", 6, 256, 4, 256, 64)
+
+
+def test_the_fit_recovers_known_rates_and_drops_a_negative_term():
+    truth = [2e-3, 1 / 4e11, 1 / 2e8, 1 / 5e8]
+    rows = [block_terms(w, t, 64) for w, t in [(64, 64), (64, 1024), (256, 256), (512, 64), (512, 1024),
+                                               (1024, 256)]]
+    seconds = [sum(c * x for c, x in zip(truth, r)) for r in rows]
+    assert fit(rows, seconds) == pytest.approx(truth, rel=1e-6)
+    # a term the times do not need (here: none of the per-parameter work) comes out 0, not negative
+    seconds = [s - truth[3] * r[3] for s, r in zip(seconds, rows)]
+    found = fit(rows, [s * (1 - 1e-3 * (r[3] > 1e6)) for s, r in zip(seconds, rows)])
+    assert min(found) >= 0 and found[0] == pytest.approx(truth[0], rel=0.05)
+
+
+def test_engine_costs_count_per_micro_batch_and_per_step():
+    rates = replace(RATES, engine_fixed=0.01, engine_per_param=1e-8)
+    one, four = (Setup(2, "bf16", micro_batch=2, accumulation=a, seq=64) for a in (1, 4))
+    per_micro = compute_time(SHAPE, one, rates)
+    assert per_micro == pytest.approx(compute_time(SHAPE, one, RATES) + 0.01)
+    a, b = step_time(SHAPE, one, 2, rates), step_time(SHAPE, four, 2, rates)
+    assert b.compute - a.compute == pytest.approx(3 * per_micro)  # Ψ's share once per step, not 4x
+    assert a.compute == pytest.approx(per_micro + 1e-8 * SHAPE.psi)
+
+
+def test_measured_collective_rates_replace_the_ring_model():
+    assert collective_time("all_reduce", 1e9, 2, RATES) == pytest.approx(1.0)  # 2 x (1/2) x 1e9 / 1e9
+    assert collective_time("all_gather", 1e9, 4, RATES) == pytest.approx(0.75)
+    measured = replace(RATES, all_gather=5e8)
+    assert collective_time("all_gather", 1e9, 4, measured) == pytest.approx(2.0)
+    slow = replace(RATES, latency=1e-3)
+    s = Setup(3, "bf16", micro_batch=1, accumulation=2, seq=64)
+    extra = step_time(SHAPE, s, 2, slow).total - step_time(SHAPE, s, 2, RATES).total
+    assert extra == pytest.approx(1e-3 * len(SHAPE.units) * (2 + 4))  # 2 reduce-scatters, 4 gathers
+
+
+def test_a_verified_step_is_whole_optimizer_steps_without_the_first():
+    assert optimizer_step_s([9.0, 1.0, 2.0, 1.0, 3.0, 1.0], 2) == pytest.approx(3.5)  # (3, 4) -> 3.5
+    assert optimizer_step_s([9.0, 2.0, 4.0], 1) == pytest.approx(3.0)
+    assert optimizer_step_s([5.0], 1) == 5.0
+
+
+def test_disk_buffers_are_resident_on_a_cpu_only_where_sub_groups_use_them(monkeypatch):
+    s = Setup(2, "fp32", "nvme", micro_batch=1, seq=64)
+    count, largest = disk_sub_groups(SHAPE, s, 2)
+    assert count == 1 and largest > 0
+    cpu = peak(SHAPE, s, 2, "cpu")
+    gpu = peak(SHAPE, s, 2, "cuda")  # pinned on a GPU machine: every buffer is resident
+    assert gpu.host >= plan_memory.NVME_BUFFER_COUNT * largest
+    assert states(SHAPE, s, 2).transfer >= plan_memory.NVME_BUFFER_COUNT * largest  # allocated: all
+    # were every buffer used (as many sub-groups as buffers), all would be resident
+    monkeypatch.setattr(plan_memory, "disk_sub_groups", lambda *a: (plan_memory.NVME_BUFFER_COUNT, largest))
+    every = peak(SHAPE, s, 2, "cpu")
+    assert every.host - cpu.host == pytest.approx((plan_memory.NVME_BUFFER_COUNT - 1) * largest)
