@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -263,27 +264,12 @@ def test_write_loads_and_trains(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     config = zeroshard.Config.load(str(path))
     config.check_batch_sizes(2)
+    # the command the plan prints after writing, as printed, for 2 steps
+    printed = done.stdout.split("train it with: ")[1].split("\n")[0]
+    assert printed.startswith("zeroshard train --config ") and "--size tiny --seq-len 32 --nproc 2" in printed
     train = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zeroshard",
-            "train",
-            "--config",
-            str(path),
-            "--size",
-            "tiny",
-            "--seq-len",
-            "32",
-            "--steps",
-            "2",
-            "--nproc",
-            "2",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path / "out"),
-        ],
+        [sys.executable, "-m", *shlex.split(printed), "--steps", "2", "--device", "cpu",
+         "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         cwd=ROOT,

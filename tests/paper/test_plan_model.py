@@ -72,3 +72,23 @@ def test_disk_buffers_are_resident_on_a_cpu_only_where_sub_groups_use_them(monke
     monkeypatch.setattr(plan_memory, "disk_sub_groups", lambda *a: (plan_memory.NVME_BUFFER_COUNT, largest))
     every = peak(SHAPE, s, 2, "cpu")
     assert every.host - cpu.host == pytest.approx((plan_memory.NVME_BUFFER_COUNT - 1) * largest)
+
+
+def test_across_nodes_mics_and_hpz_are_weighed_and_written_as_configs_that_load():
+    import zeroshard
+    from zeroshard.app.plan_report import config_of
+    from zeroshard.paper.plan import Hardware, plan
+
+    slow_link = replace(RATES, collective=1e8, mp_collective=1e10)
+    hw = Hardware(nodes=2, per_node=2, device_bytes=8e9, host_bytes=64e9, disk_bytes=0.0, rates=slow_link,
+                  nvme=False)
+    plans = {p.setup.name: p for p in plan(SHAPE, hw, 8, 64, "bf16", [1])}
+    mics, hpz, plain = (plans[f"stage 3, bf16{extra}, mb 2 x 1"] for extra in (", MiCS 2", ", hpZ 2", ""))
+    # MiCS shards over its group of 2: a rank's states are those of stage 3 on 2 ranks
+    assert states(SHAPE, mics.setup, 4) == states(SHAPE, Setup(3, "bf16", micro_batch=2, seq=64), 2)
+    assert hpz.peak.parts["secondary"] > 0 and hpz.peak.device > plain.peak.device
+    assert mics.time.comm < hpz.time.comm < plain.time.comm  # less over the slow link, in that order
+    for p in (mics, hpz):
+        config = zeroshard.Config.load(config_of(p, 8, None))
+        on = (config.zero.mics_shard_size > 0, config.zero.zero_hpz_partition_size > 1)
+        assert on == ((True, False) if p is mics else (False, True))

@@ -240,8 +240,16 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         return
     print(table(shape, hw, line, plans, batch, args, changes, verified))
     if args.write:
-        print(
-            f"wrote the best configuration to {args.write}"
-            if best
-            else f"did not write {args.write}: nothing fits"
-        )
+        print(f"wrote the best configuration to {args.write}; train it with: "
+              f"{train_command(args, best, hw)}" if best else f"did not write {args.write}: nothing fits")
+
+
+def train_command(args: argparse.Namespace, best, hw) -> str:
+    """The `zeroshard train` line that runs the written config as planned: the model, the ranks,
+    and --tp, which the config file cannot carry (tensor parallelism is the model's split)."""
+    model = (f"--hf-config {args.hf_config}" if args.hf_config else
+             f"--size {args.model or 'small'}" + "".join(f" --{k} {v}" for k in ("layers", "width")
+                                                          if (v := getattr(args, k)) is not None))
+    tp = f" --tp {best.setup.mp}" if best.setup.mp > 1 else ""
+    nproc = f" --nproc {hw.per_node}" if hw.nodes == 1 else f" (under torchrun, {hw.per_node} ranks a node)"
+    return f"zeroshard train --config {args.write} {model} --seq-len {args.seq_len}{tp}{nproc}"

@@ -119,6 +119,10 @@ def config_of(p, global_batch: int, nvme_path: str | None) -> dict:
         "bf16": {"enabled": s.precision == "bf16"},
         "fp16": {"enabled": s.precision == "fp16"},
     }
+    if s.mics:
+        zero["mics_shard_size"] = s.mics
+    if s.hpz:
+        zero["zero_hpz_partition_size"] = s.hpz
     if s.checkpointing:
         config["activation_checkpointing"] = {"partition_activations": s.mp > 1}
     return config

@@ -4,13 +4,14 @@ step time beside the predicted ones.
 
 Measured: on a GPU the device's peak (torch.cuda.max_memory_allocated, the most over the ranks) and
 the host's peak RSS above the process's baseline; on a CPU group one memory, so device is None and
-host is the peak RSS above the baseline (measured_worker: /proc/self/status, the most over ranks).
-The baseline is taken as the rank starts, before its process group;
+host is the peak RSS above the baseline (train.worker: /proc/self/status, the most over ranks).
+The baseline is taken once the rank's libraries are loaded and its process group is up;
 what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is a
-pair of reference runs' measured growth against their predicted peaks (runtime_bytes: a fixed part
-and an overhead per byte), measured once per machine and applied to the prediction, cached beside
-the calibration. Step time: the median over optimizer steps (the first left out) of the sum of
-their micro-batches' times."""
+pair of reference runs' measured growth against their predicted peaks (engine_reference: a
+fixed part and an overhead per byte; and the engine's own step costs beside plain torch's),
+measured once per machine and applied to the prediction, cached beside the calibration. Step
+time: the median over optimizer steps (the first left out) of the sum of their micro-batches'
+times."""
 
 from __future__ import annotations
 
@@ -64,44 +65,24 @@ def _reference_args(hw, size: str, seq: int, precision: str, out: str):
                      precision=precision)
 
 
-def _status(field: str) -> int:
-    """A figure of /proc/self/status in bytes (VmRSS: resident now; VmHWM: this process's peak)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def measured_worker(args) -> dict:
-    """train.worker, with the host peak measured from this process's own memory: the resident
-    bytes at the start against the peak after (VmHWM, reset first where the kernel lets us). The
-    worker's own figure (getrusage's ru_maxrss) starts at the launching process's resident size,
-    which a spawned child inherits, and so reads 0 for any run smaller than the launcher. The
-    libraries the run needs (torch, zeroshard, transformers for a Hugging Face model) are loaded
-    before the baseline: their code is not the model's memory."""
+    """train.worker (which measures a rank's peak RSS above its resident size once its process
+    group is up), with the libraries the run needs loaded before that baseline, as torch and
+    zeroshard are: the engine's modules, imported on first use, and a Hugging Face model's (about
+    90 MiB of imports, by a model built on "meta"). Their code is not the model's memory."""
     import torch
 
     import zeroshard
 
     from .train import worker
 
-    zeroshard.initialize  # noqa: B018 - the libraries a run needs are loaded before its baseline:
-    if args.hf_config:  # the engine's modules, and a Hugging Face model's (about 90 MiB of imports)
+    zeroshard.initialize  # noqa: B018 - imports the engine
+    if args.hf_config:
         from zeroshard.hf import causal_lm_from_config
 
         with torch.device("meta"):
             causal_lm_from_config(args.hf_config, args.seq_len)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak to the resident size now
-    except OSError:
-        pass
-    baseline = _status("VmRSS")
-    result = worker(args)
-    growth = _status("VmHWM") - baseline
-    result["rss_growth"] = max(int(g) for g in zeroshard.gather_objects(growth))
-    return result
+    return worker(args)
 
 
 REFERENCES = (("tiny", 16), ("medium", 16))  # the reference runs' built-in sizes and sequence length

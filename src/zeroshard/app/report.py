@@ -14,9 +14,40 @@ from zeroshard.paper import BYTES_PER_PARAM, paper_model_state_bytes
 MIB = 2**20
 
 
+def _status_bytes(field: str) -> int | None:
+    """A figure of /proc/self/status (VmRSS: resident now; VmHWM: the peak), in bytes; None
+    where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Start this process's peak (VmHWM) again from its resident size now, where the kernel lets
+    us. getrusage's ru_maxrss cannot be reset, and a forked rank inherits its launcher's: without
+    this, a run smaller than its launcher would read no growth at all."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def resident_rss() -> int:
+    """This process's resident memory now, in bytes (its peak so far where /proc is missing)."""
+    now = _status_bytes("VmRSS")
+    return now if now is not None else peak_rss()
+
+
 def peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory (since reset_peak_rss, where it could reset), in bytes."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def gpu_peak(device: torch.device) -> int:

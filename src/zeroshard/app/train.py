@@ -25,7 +25,7 @@ import zeroshard
 from .baseline import DDPBaseline
 from .data import Batches, load_corpus
 from .gpt import GPT, config_for, lm_loss, sample
-from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report
+from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report, reset_peak_rss, resident_rss
 from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
                       store_per_attempt, write_progress)
 
@@ -189,7 +189,8 @@ def train_step(engine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def worker(args: TrainArgs) -> dict[str, Any]:
     start_rank(args)
-    rss_before = peak_rss()  # the runtime's own memory, before any model exists
+    reset_peak_rss()
+    rss_before = resident_rss()  # the runtime's own memory, before any model exists
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     engine = build_engine(args)

@@ -91,7 +91,8 @@ def setups(
     stages: list[int] | None = None,
 ) -> list[Setup]:
     """Every configuration to weigh. MP degrees: those given, else powers of 2 within a node that
-    divide the heads and leave a data-parallel degree that divides the global batch."""
+    divide the heads and leave a data-parallel degree that divides the global batch. Across nodes,
+    MiCS and hpZ too."""
     out = []
     if mps is None:
         mps = [
@@ -114,8 +115,18 @@ def setups(
                     if "nvme" in (opt, par) and not hw.nvme:
                         continue
                     for ckpt in (False, True):
-                        out.append(Setup(stage, precision, opt, par, ckpt, mp, micro, per_rank // micro, seq))
+                        setup = Setup(stage, precision, opt, par, ckpt, mp, micro, per_rank // micro, seq)
+                        out += [setup] + _within_nodes(setup, hw)
     return out
+
+
+def _within_nodes(s: Setup, hw: Hardware) -> list[Setup]:
+    """Across nodes (mp 1, no offload): MiCS sharding within a node (stages 1-3) and ZeRO++'s hpZ
+    partition within a node (stage 3), each keeping most of the traffic off the slower link."""
+    if hw.nodes == 1 or s.mp != 1 or s.offload_optimizer != "none" or s.offload_param != "none":
+        return []
+    out = [replace(s, mics=hw.per_node)] if s.stage >= 1 else []
+    return out + ([replace(s, hpz=hw.per_node)] if s.stage == 3 else [])
 
 
 def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:

@@ -123,6 +123,12 @@ class Setup:
     micro_batch: int = 1
     accumulation: int = 1
     seq: int = 1024
+    mics: int = 0  # MiCS: states sharded over groups of this many ranks, replicated across (0: off)
+    hpz: int = 0  # ZeRO++ hpZ (stage 3): a secondary partition over this many ranks (0: off)
+
+    def shard_degree(self, nproc: int) -> int:
+        """Over how many ranks the model states are sharded: the MiCS group, else the dp ranks."""
+        return self.mics or nproc // self.mp
 
     @property
     def name(self) -> str:
@@ -135,6 +141,10 @@ class Setup:
             parts.append("ckpt")
         if self.mp > 1:
             parts.append(f"mp {self.mp}")
+        if self.mics:
+            parts.append(f"MiCS {self.mics}")
+        if self.hpz:
+            parts.append(f"hpZ {self.hpz}")
         return ", ".join(parts) + f", mb {self.micro_batch} x {self.accumulation}"
 
 
@@ -190,7 +200,7 @@ def disk_sub_groups(shape: Shape, s: Setup, dp: int) -> tuple[int, int]:
 def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> States:
     """A rank's model states for `setup` on `nproc` ranks. `one_memory`: a CPU group, where the
     offload's host copies are the device's own tensors (no transfer buffers)."""
-    s, dp = setup, nproc // setup.mp
+    s, dp = setup, setup.shard_degree(nproc)
     pb, gb, _ = BYTES_PER_PARAM[s.precision]
     off_opt, off_par = (
         s.offload_optimizer != "none" and s.stage >= 1,
@@ -272,7 +282,7 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     holds everything and `device` is 0."""
     st = states(shape, setup, nproc, one_memory=device == "cpu")
     pb, gb, _ = BYTES_PER_PARAM[setup.precision]
-    dp = nproc // setup.mp
+    dp = setup.shard_degree(nproc)
     sh = shards(shape, setup.mp, dp)
     kept, transient = activations(shape, setup)
     largest_padded = max(p for p, _ in sh)
@@ -287,12 +297,15 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
     # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries
     step = 4 * step_group * (2 if not off_opt else 1)
-    on_device = st.device + kept + max(transient + temp, step if not off_opt else 0)
+    # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
+    secondary = pb * sum(p for p, _ in shards(shape, setup.mp, setup.hpz)) / setup.hpz if setup.hpz else 0
+    on_device = st.device + kept + secondary + max(transient + temp, step if not off_opt else 0)
     host_extra = step if off_opt else 0
     frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
     parts = {
         "model_states": st.model_states,
         "activations": kept,
+        "secondary": secondary,
         "transient": transient + temp,
         "step": step,
         "fragmentation": frag,

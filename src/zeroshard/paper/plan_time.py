@@ -23,7 +23,7 @@ Pure arithmetic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .formulas import BYTES_PER_PARAM
 from .plan_memory import Setup, Shape, activations, shards
@@ -107,11 +107,14 @@ def collective_time(kind: str, full_bytes: float, dp: int, rates: Rates) -> floa
     return full_bytes * (dp - 1) / dp * (2 if kind == "all_reduce" else 1) / rates.collective
 
 
-def dp_comm_time(shape: Shape, s: Setup, dp: int, rates: Rates) -> float:
+def dp_comm_time(shape: Shape, s: Setup, nproc: int, rates: Rates) -> float:
     """The data-parallel collectives of one step: the paper's volumes (stage 0: an all-reduce of the
     gradients; 1: their reduce-scatter and the parameters' all-gather; 2: the reduce-scatter every
     micro-batch; 3: two gathers and a reduce-scatter every micro-batch), plus each collective's
-    latency, one per unit."""
+    latency, one per unit. MiCS runs them inside its shard group (within a node: `mp_collective`)
+    and adds the gradient shard's all-reduce across the replicas once a step; hpZ's backward gather
+    stays within its partition (a node)."""
+    dp, shard = nproc // s.mp, s.shard_degree(nproc)
     if dp == 1:
         return 0.0
     pb, gb, _ = BYTES_PER_PARAM[s.precision]
@@ -123,15 +126,25 @@ def dp_comm_time(shape: Shape, s: Setup, dp: int, rates: Rates) -> float:
         3: [("reduce_scatter", grads, s.accumulation), ("all_gather", params, 2 * s.accumulation)],
     }[s.stage]
     latency = len(shape.units) * rates.latency
-    return sum(n * (collective_time(kind, size, dp, rates) + latency) for kind, size, n in calls)
+    if s.mics:  # every collective above inside a node, then the shard's all-reduce over dp / mics
+        inside = replace(rates, collective=rates.mp_collective, all_reduce=0.0, reduce_scatter=0.0,
+                         all_gather=0.0)
+        across = collective_time("all_reduce", grads / shard, dp // shard, rates)
+        return across + sum(n * (collective_time(k, b, shard, inside) + latency) for k, b, n in calls)
+    total = sum(n * (collective_time(kind, size, dp, rates) + latency) for kind, size, n in calls)
+    if s.hpz and s.stage == 3:  # backward's gather from the secondary partition, within a node
+        inside = replace(rates, collective=rates.mp_collective, all_gather=0.0)
+        backward = s.accumulation * collective_time("all_gather", params, dp, rates)
+        total += s.accumulation * collective_time("all_gather", params, s.hpz, inside) - backward
+    return total
 
 
 def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
-    s, dp = setup, nproc // setup.mp
+    s = setup
     pb, gb, _ = BYTES_PER_PARAM[s.precision]
     # the engine's per-parameter work (casts, gradient bookkeeping) counted once per step
     compute = s.accumulation * compute_time(shape, s, rates) + rates.engine_per_param * shape.psi / s.mp
-    dp_comm = dp_comm_time(shape, s, dp, rates)
+    dp_comm = dp_comm_time(shape, s, nproc, rates)
     tokens = s.micro_batch * s.seq
     mp_comm = (
         0.0
@@ -150,7 +163,7 @@ def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
     comm = dp_comm + mp_comm
     if s.checkpointing:  # the recomputed forward repeats its two all-reduces per layer
         mp_comm *= 1.5
-    owned = sum(sh if s.stage >= 1 else p for p, sh in shards(shape, s.mp, dp))
+    owned = sum(sh if s.stage >= 1 else p for p, sh in shards(shape, s.mp, s.shard_degree(nproc)))
     off_opt = s.offload_optimizer != "none" and s.stage >= 1
     if off_opt:
         link = owned * (gb + pb) / rates.host_link if rates.host_link else 0.0
