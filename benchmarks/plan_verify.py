@@ -2,16 +2,19 @@
 memory and step time, run here through `zeroshard plan --verify`'s path.
 
 Each configuration is weighed by the planner (this machine calibrated, the rates cached) and then
-run for a few optimizer steps on gloo ranks; the table prints the predicted and measured peak (a
+run for a few optimizer steps here (gloo ranks on a CPU; one GPU with --gpu, or wherever CUDA is
+available); the table prints the predicted and measured peak (a
 rank's RSS above its baseline on a CPU, the device's peak on a GPU) and step time with their
 ratios. The configurations cover stages 0-3, optimizer offload to cpu and nvme, parameter offload,
 activation checkpointing, fp32 and bf16, the built-in GPT and two Hugging Face families (GPT-2 and
-LLaMA configs written here, small enough for a CPU). The issue's targets: peaks within 10%, step
-times within 25%. --top3 also runs the planner's three best configurations for one shape and says
-whether the recommended one was the fastest.
+LLaMA configs written here, small enough for a CPU); on a GPU, the 1.1B LLaMA of offload.py with
+and without offload. The targets: peaks within 10%, step times within 25%. --top3 also runs the
+planner's three best configurations for one shape and says whether the recommended one was the
+fastest.
 
     python benchmarks/plan_verify.py --steps 5 --top3    # 14 configurations and a top 3, ~5 min on 2 cores
     python benchmarks/plan_verify.py --only 0 3 --steps 2
+    python benchmarks/plan_verify.py --gpu --steps 4          # one GPU: the 1.1B LLaMA, 3 configurations
 """
 from __future__ import annotations
 
@@ -33,6 +36,10 @@ GPT2 = {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_s
 LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 688, "vocab_size": 512,
          "max_position_embeddings": 256, "tie_word_embeddings": False}
+LLAMA_1B = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+            "max_position_embeddings": 2048, "tie_word_embeddings": False}  # benchmarks/offload.py's
+HF = {"gpt2": GPT2, "llama": LLAMA, "llama1b": LLAMA_1B}
 # (model, stage, precision, offload_optimizer, offload_param, checkpointing, micro_batch, accumulation)
 CASES = [
     ("medium", 0, "fp32", "none", "none", False, 2, 2),
@@ -50,35 +57,43 @@ CASES = [
     ("llama", 3, "bf16", "cpu", "none", False, 2, 2),
     ("llama", 1, "fp32", "none", "none", True, 4, 1),
 ]
+# --gpu: the 1.1B LLaMA of benchmarks/offload.py, world size 1, sequences of 1024
+GPU_CASES = [
+    ("llama1b", 3, "bf16", "none", "none", False, 8, 1),
+    ("llama1b", 3, "bf16", "cpu", "none", False, 8, 1),
+    ("llama1b", 3, "bf16", "cpu", "cpu", False, 8, 1),
+]
 
 
-def shape_and_cli(model: str, folder: str, nvme: str, steps: int):
+def shape_and_cli(model: str, folder: str, nvme: str, steps: int, seq: int = SEQ):
     """The planner's Shape and the namespace `verify` reads (as `zeroshard plan`'s flags would)."""
     hf = None
-    if model in ("gpt2", "llama"):
+    if model in HF:
         hf = os.path.join(folder, f"{model}.json")
         with open(hf, "w") as f:
-            json.dump(GPT2 if model == "gpt2" else LLAMA, f)
+            json.dump(HF[model], f)
         with open(hf) as f:
             shape = shape_from_hf(json.load(f), model)
     else:
         from zeroshard.app.sizes import SIZES
 
         layers, width, heads = SIZES[model]
-        shape = gpt2_shape(model, layers, width, heads, 256, SEQ)
+        shape = gpt2_shape(model, layers, width, heads, 256, seq)
     cli = argparse.Namespace(hf_config=hf, model=None if hf else model, layers=None, width=None,
                              verify_steps=steps, nvme_path=nvme)
     return shape, cli
 
 
-def run_case(case: tuple, nproc: int, steps: int, folder: str) -> dict:
+def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -> dict:
+    import torch
+
     model, stage, precision, opt, par, ckpt, micro, acc = case
-    shape, cli = shape_and_cli(model, folder, folder, steps)
-    figures, _ = calibrate(precision, nproc, folder, False)
+    shape, cli = shape_and_cli(model, folder, folder, steps, seq)
+    figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available())
     hw = with_engine(local_hardware(nproc, figures, folder)[0], precision)
-    setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, SEQ)
+    setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, seq)
     plan = weigh(shape, setup, hw)
-    result = verify(cli, shape, hw, [plan], micro * acc * nproc, figures)[0]
+    result = verify(cli, shape, hw, [plan], micro * acc * nproc)[0]
     return {"model": model, **result}
 
 
@@ -89,7 +104,7 @@ def top_three(nproc: int, steps: int, folder: str) -> None:
     figures, _ = calibrate("bf16", nproc, folder, False)
     hw = with_engine(local_hardware(nproc, figures, folder)[0], "bf16")
     best = [p for p in plan(shape, hw, 8, SEQ, "bf16", [1]) if p.fits][:3]
-    rows = verify(cli, shape, hw, best, 8, figures)
+    rows = verify(cli, shape, hw, best, 8)
     for row in rows:
         print(f"top 3: {row['config']['name']:45} step {row['predicted']['step_s']:.3f} predicted, "
               f"{row['measured']['step_s']:.3f} measured")
@@ -102,6 +117,11 @@ def ratio(row: dict, key: str) -> float:
     return row["measured"][key] / row["predicted"][key]
 
 
+def peak_key(row: dict) -> str:
+    """The memory that limits: the device's on a GPU, the host's (one memory) on a CPU group."""
+    return "host_peak_bytes" if row["measured"]["device_peak_bytes"] is None else "device_peak_bytes"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
@@ -109,20 +129,24 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="run these cases (indices) only")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--top3", action="store_true", help="also run the planner's three best (medium GPT)")
+    parser.add_argument("--gpu", action="store_true", help="the 1.1B LLaMA on one GPU instead (seq 1024)")
     args = parser.parse_args()
-    picked = [CASES[i] for i in args.only] if args.only else CASES
+    import torch
+
+    gpu = args.gpu or torch.cuda.is_available()
+    cases, nproc, seq = (GPU_CASES, 1, 1024) if gpu else (CASES, args.nproc, SEQ)
+    picked = [cases[i] for i in args.only] if args.only else cases
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for case in picked:
-            row = run_case(case, args.nproc, args.steps, folder)
+            row = run_case(case, nproc, args.steps, folder, seq)
             rows.append(row)
-            pm, ps = ratio(row, "host_peak_bytes"), ratio(row, "step_s")
-            predicted, measured = row["predicted"], row["measured"]
-            print(f"{row['model']:7} {row['config']['name']:45} peak "
-                  f"{predicted['host_peak_bytes'] / MIB:7.1f} / {measured['host_peak_bytes'] / MIB:7.1f} MiB "
-                  f"({pm:.2f})   step {predicted['step_s']:.3f} / {measured['step_s']:.3f} s ({ps:.2f})",
+            key, predicted, measured = peak_key(row), row["predicted"], row["measured"]
+            print(f"{row['model']:7} {row['config']['name']:45} {key.split('_')[0]} peak "
+                  f"{predicted[key] / MIB:7.1f} / {measured[key] / MIB:7.1f} MiB ({ratio(row, key):.2f})   "
+                  f"step {predicted['step_s']:.3f} / {measured['step_s']:.3f} s ({ratio(row, 'step_s'):.2f})",
                   flush=True)
-    peaks = [abs(ratio(r, "host_peak_bytes") - 1) for r in rows]
+    peaks = [abs(ratio(r, peak_key(r)) - 1) for r in rows]
     steps = [abs(ratio(r, "step_s") - 1) for r in rows]
     print(f"\n{len(rows)} configurations: peak within 10% for {sum(e <= 0.10 for e in peaks)}, "
           f"median error {statistics.median(peaks):.1%}, worst {max(peaks):.1%}; step within 25% for "
@@ -131,7 +155,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    if args.top3:
+    if args.top3 and not gpu:
         with tempfile.TemporaryDirectory() as folder:
             top_three(args.nproc, args.steps, folder)
 

@@ -289,3 +289,15 @@ def test_paper_projection_states_its_error():
     assert hundred["gpus"] == 400 and hundred["mp"] == 16 and 95e9 < hundred["psi"] < 105e9
     done = zeroshard_here("plan", "--paper")
     assert "error" in done.stdout and "15 PFLOP/s" in done.stdout
+
+
+@pytest.mark.cuda
+def test_verified_on_a_gpu_within_20_percent(tmp_path):
+    """On one GPU: the best configuration for the small built-in GPT run here; its device peak
+    (the tensors' most) within 20% of the prediction, and a step time measured."""
+    done = _plan("--model", "small", "--seq-len", "256", "--global-batch", "16", "--verify", "--json",
+                 cache=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (v,) = json.loads(done.stdout)["verified"]
+    assert 0.8 <= v["measured"]["device_peak_bytes"] / v["predicted"]["device_peak_bytes"] <= 1.2, v
+    assert v["measured"]["step_s"] > 0 and v["measured"]["host_peak_bytes"] > 0

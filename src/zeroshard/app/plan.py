@@ -59,7 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="a writable directory for nvme offload (its free space "
         "and rate are measured); without it nvme is not weighed here",
     )
-    p.add_argument("--recalibrate", action="store_true", help="measure this machine's rates again")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this machine's rates (and the engine's reference runs) again")
     p.add_argument("--top", type=int, default=12, help="rows of the table (default 12)")
     p.add_argument("--write", metavar="FILE", help="write the best as a DeepSpeed-style JSON config")
     p.add_argument("--verify", action="store_true", help="run the best configuration for a few steps here")
@@ -124,7 +125,7 @@ def _hardware(parser, args, local: bool):
     from . import plan_hw
 
     if not local:
-        return plan_hw.given_hardware(args), None
+        return plan_hw.given_hardware(args)
     import torch
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -134,7 +135,7 @@ def _hardware(parser, args, local: bool):
     )
     hw, line = plan_hw.local_hardware(args.nproc, figures, args.nvme_path)
     line += " (rates from the cache; --recalibrate to measure again)" if cached else " (rates measured now)"
-    return (hw, line), figures
+    return hw, line
 
 
 def _tmp() -> str:
@@ -207,11 +208,11 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         return
     local = _check(parser, args)
     shape = shape_of(parser, args, args.seq_len)
-    (hw, line), figures = _hardware(parser, args, local)
+    hw, line = _hardware(parser, args, local)
     if local:
         from .plan_verify import with_engine
 
-        hw = with_engine(hw, args.precision)
+        hw = with_engine(hw, args.precision, args.recalibrate)
     if args.mp is not None and (hw.per_node % args.mp or shape.heads % args.mp):
         parser.error(
             f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"
@@ -234,7 +235,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         from .plan_verify import verify
 
         fitting = [p for p in plans if p.fits][: args.verify_top or 1]
-        verified = verify(args, shape, hw, fitting, batch, figures)
+        verified = verify(args, shape, hw, fitting, batch)
     if args.json:
         print(json.dumps(plan_json(shape, hw, line, plans, batch, args, changes, verified), indent=1))
         return

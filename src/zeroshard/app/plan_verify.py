@@ -15,6 +15,7 @@ times."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -88,7 +89,7 @@ def measured_worker(args) -> dict:
 REFERENCES = (("tiny", 16), ("medium", 16))  # the reference runs' built-in sizes and sequence length
 
 
-def engine_reference(hw, precision: str) -> dict:
+def engine_reference(hw, precision: str, again: bool = False) -> dict:
     """What a CPU rank costs beyond the model's own bytes and arithmetic, from two reference runs
     (a tiny and a medium built-in GPT, stage 0, one sequence of 16, the plan's precision):
     - memory: measured growth = fixed + (1 + per_byte) x predicted peak, solved for both: the
@@ -109,7 +110,7 @@ def engine_reference(hw, precision: str) -> dict:
     from .train import launch
 
     path = os.path.join(cache_dir(), f"engine-{machine_key(precision, hw.ranks)}.json")
-    if os.path.isfile(path):
+    if os.path.isfile(path) and not again:
         with open(path) as f:
             return json.load(f)
     points = []
@@ -139,23 +140,23 @@ def optimizer_step_s(micro_batch_s: list[float], accumulation: int) -> float:
     return statistics.median(steps[1:] or steps)
 
 
-def with_engine(hw, precision: str):
-    """This CPU machine's Hardware with the engine's own step costs (engine_reference) in its
-    rates; a GPU's unchanged (its engine work hides under the device's queue)."""
+def with_engine(hw, precision: str, again: bool = False):
+    """This CPU machine's Hardware with what engine_reference measured: the runtime's bytes, and
+    the engine's own step costs in its rates. A GPU's unchanged (there the runtime's bytes are the
+    host's, and the engine's work hides under the device's queue)."""
     if hw.device != "cpu":
         return hw
-    found = engine_reference(hw, precision)
+    found = engine_reference(hw, precision, again)
     rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"])
-    return replace(hw, rates=rates)
+    return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
 
 
-def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict | None) -> list[dict]:
+def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:
+    """Run each plan here for cli.verify_steps optimizer steps; its predicted and measured figures."""
     from .options import ranks_report_errors
     from .plan_report import config_of
     from .train import launch
 
-    engine = engine_reference(hw, plans[0].setup.precision) if hw.device == "cpu" else {}
-    fixed, per_byte = engine.get("fixed", 0.0), engine.get("per_byte", 0.0)
     out = []
     for p in plans:
         with tempfile.TemporaryDirectory() as folder:
@@ -164,14 +165,12 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict |
             raw.pop("train_batch_size")  # (the micro-batch and accumulation say it)
             with open(config, "w") as f:
                 json.dump(raw, f)
-            import argparse
-
             with ranks_report_errors(argparse.ArgumentParser(prog="zeroshard plan --verify")):
                 result = launch(_args(cli, p, hw, folder, config), measured_worker)
         cpu = hw.device == "cpu"
         predicted = {
             "device_peak_bytes": None if cpu else p.peak.device,
-            "host_peak_bytes": p.peak.host * (1 + per_byte) + fixed,
+            "host_peak_bytes": p.peak.host,
             "step_s": p.time.total,
         }
         measured = {
@@ -181,10 +180,10 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int, figures: dict |
         }
         out.append(
             {
-                "config": {**replace(p.setup).__dict__, "name": p.setup.name},
+                "config": {**p.setup.__dict__, "name": p.setup.name},
                 "predicted": predicted,
                 "measured": measured,
-                "runtime_bytes": fixed + p.peak.host * per_byte,
+                "runtime_bytes": p.peak.parts.get("runtime", 0.0),
             }
         )
     return out

@@ -44,6 +44,10 @@ class Hardware:
     rates: Rates
     device: str = "cuda"
     nvme: bool = True  # a disk path to offload to
+    # what a rank's process holds beyond the model's bytes on a CPU group (measured: the app's
+    # engine_reference): a fixed part, and a share of the predicted peak (freed memory kept)
+    runtime_bytes: float = 0.0
+    runtime_per_byte: float = 0.0
 
     @property
     def ranks(self) -> int:
@@ -131,6 +135,9 @@ def _within_nodes(s: Setup, hw: Hardware) -> list[Setup]:
 
 def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:
     p = peak(shape, setup, hw.ranks, hw.device)
+    if hw.runtime_bytes or hw.runtime_per_byte:
+        runtime = hw.runtime_bytes + hw.runtime_per_byte * p.host
+        p = replace(p, host=p.host + runtime, parts={**p.parts, "runtime": runtime})
     t = step_time(shape, setup, hw.ranks, hw.rates)
     tokens = setup.micro_batch * setup.accumulation * setup.seq * hw.ranks / setup.mp
     return Plan(setup, p, t, misfit(p, hw), tokens / t.total)
