@@ -292,6 +292,9 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     if setup.stage >= 2:  # a unit's full-size gradient until its reduce-scatter is done; on a CPU
         # group (gloo) every unit's, kept alive by its reduction in flight until backward ends
         temp += gb * (sum(p for p, _ in sh) if device == "cpu" else largest_padded)
+    if setup.stage >= 1 and device == "cpu":  # gloo's reduce-scatter is an all-to-all that receives
+        # a full-size buffer (comm/gloo.py), one per unit in flight: all of them at backward's end
+        temp += gb * sum(p for p, _ in sh)
     owned = sum(s if setup.stage >= 1 else p for p, s in sh)
     step_group = min(owned, SUB_GROUP_SIZE)
     off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
@@ -299,7 +302,12 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     step = 4 * step_group * (2 if not off_opt else 1)
     # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
     secondary = pb * sum(p for p, _ in shards(shape, setup.mp, setup.hpz)) / setup.hpz if setup.hpz else 0
-    on_device = st.device + kept + secondary + max(transient + temp, step if not off_opt else 0)
+    on_step = step if not off_opt else 0
+    if device == "cpu":  # glibc keeps what backward frees (buffers of up to 32 MiB stay in its heap),
+        # and the step's fp32 temporaries do not fit those holes: the two add rather than overlap
+        on_device = st.device + kept + secondary + transient + temp + on_step
+    else:
+        on_device = st.device + kept + secondary + max(transient + temp, on_step)
     host_extra = step if off_opt else 0
     frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
     parts = {
