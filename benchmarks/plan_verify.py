@@ -84,13 +84,18 @@ def shape_and_cli(model: str, folder: str, nvme: str, steps: int, seq: int = SEQ
     return shape, cli
 
 
-def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -> dict:
+def this_machine(precision: str, nproc: int, folder: str):
+    """This machine's Hardware as `zeroshard plan` sees it: calibrated, with the engine's reference."""
     import torch
 
+    figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available())
+    return with_engine(local_hardware(nproc, figures, folder)[0], precision)
+
+
+def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -> dict:
     model, stage, precision, opt, par, ckpt, micro, acc = case
     shape, cli = shape_and_cli(model, folder, folder, steps, seq)
-    figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available())
-    hw = with_engine(local_hardware(nproc, figures, folder)[0], precision)
+    hw = this_machine(precision, nproc, folder)
     setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, seq)
     plan = weigh(shape, setup, hw)
     result = verify(cli, shape, hw, [plan], micro * acc * nproc)[0]
@@ -101,8 +106,7 @@ def top_three(nproc: int, steps: int, folder: str) -> None:
     """The planner's three best for the medium GPT (bf16, global batch 8 x 64 tokens), each run:
     is the recommended one the fastest measured?"""
     shape, cli = shape_and_cli("medium", folder, folder, steps)
-    figures, _ = calibrate("bf16", nproc, folder, False)
-    hw = with_engine(local_hardware(nproc, figures, folder)[0], "bf16")
+    hw = this_machine("bf16", nproc, folder)
     best = [p for p in plan(shape, hw, 8, SEQ, "bf16", [1]) if p.fits][:3]
     rows = verify(cli, shape, hw, best, 8)
     for row in rows:

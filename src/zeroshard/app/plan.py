@@ -209,14 +209,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     local = _check(parser, args)
     shape = shape_of(parser, args, args.seq_len)
     hw, line = _hardware(parser, args, local)
-    if local:
-        from .plan_verify import with_engine
-
-        hw = with_engine(hw, args.precision, args.recalibrate)
     if args.mp is not None and (hw.per_node % args.mp or shape.heads % args.mp):
         parser.error(
             f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"
         )
+    if local:  # (after the input is checked: the reference runs take seconds the first time)
+        from .plan_verify import with_engine
+
+        hw = with_engine(hw, args.precision, args.recalibrate)
     batch = args.global_batch or 8 * hw.ranks
     mps = [args.mp] if args.mp else ([1] if hw.device == "cpu" else None)
     plans = plan(shape, hw, batch, args.seq_len, args.precision, mps)

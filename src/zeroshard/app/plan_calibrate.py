@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 
@@ -107,23 +106,17 @@ def adam_rate(device: str, fused: bool | None) -> float:
     return p.numel() / timed(lambda: (opt.step(), sync()), 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _collectives_rank(rank: int, ranks: int, port: int, dtype, out: str) -> None:
+def _collectives_rank(args, dtype) -> dict:
     """One rank of the collectives' timing, through zeroshard's Comm (the path the engine takes:
     on gloo a reduce-scatter is an all-to-all and a local sum)."""
     import torch
 
     import zeroshard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(ranks))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    zeroshard.ensure_process_group(timeout_s=120, backend="gloo")
-    comm, figures = zeroshard.Comm(), {}
+    from .train import start_rank
+
+    start_rank(args)  # the threads a rank gets, and its gloo group
+    comm, figures, ranks = zeroshard.Comm(), {}, args.nproc
     for label, nbytes in (("", 8 << 20), ("latency", 2 << 10)):
         numel = nbytes // torch.tensor([], dtype=dtype).element_size() // ranks * ranks
         full, part = torch.ones(numel, dtype=dtype), torch.ones(numel // ranks, dtype=dtype)
@@ -139,26 +132,15 @@ def _collectives_rank(rank: int, ranks: int, port: int, dtype, out: str) -> None
                 figures[label] = min(figures.get(label, seconds), seconds)
             else:
                 figures[name] = numel * full.element_size() / seconds
-    if rank == 0:
-        import json
-
-        with open(out, "w") as f:
-            json.dump(figures, f)
+    return figures
 
 
 def collective_rates(ranks: int, dtype) -> dict:
     """all_reduce, reduce_scatter, all_gather (full-size bytes/s) and latency (s) among `ranks` gloo
-    processes on this machine."""
-    import json
+    processes on this machine (launched as `zeroshard train` launches its ranks; rank 0's figures)."""
+    from .train import TrainArgs, launch
 
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "collectives.json")
-        mp.start_processes(_collectives_rank, args=(ranks, _free_port(), dtype, out), nprocs=ranks,
-                           start_method="spawn")
-        with open(out) as f:
-            return json.load(f)
+    return launch(TrainArgs(device="cpu", nproc=ranks), _collectives_rank, dtype)
 
 
 def disk_rate(folder: str) -> tuple[float, float]:

@@ -26,18 +26,19 @@ from zeroshard.paper.plan import Plan
 from zeroshard.paper.plan_memory import Shape
 
 
-def _args(cli, p: Plan, hw, out: str, config: str):
+def _quiet_run(hw, out: str, **fields):
+    """TrainArgs for a run of this module's: every rank here, nothing saved, printed or sampled."""
     from .train import TrainArgs
 
+    return TrainArgs(device=hw.device, nproc=hw.ranks, save=False, quiet=True, sample_tokens=0, out=out,
+                     data=[], **fields)
+
+
+def _args(cli, p: Plan, hw, out: str, config: str):
     s = p.setup
-    return TrainArgs(
-        device=hw.device,
-        nproc=hw.ranks,
-        save=False,
-        quiet=True,
-        sample_tokens=0,
-        out=out,
-        data=[],
+    return _quiet_run(
+        hw,
+        out,
         hf_config=cli.hf_config,
         size=cli.model or "small",
         layers=cli.layers,
@@ -59,11 +60,7 @@ def _args(cli, p: Plan, hw, out: str, config: str):
 
 def _reference_args(hw, size: str, seq: int, precision: str, out: str):
     """A reference run (engine_reference): a built-in size, stage 0, one sequence, a few steps."""
-    from .train import TrainArgs
-
-    return TrainArgs(device=hw.device, nproc=hw.ranks, save=False, quiet=True, sample_tokens=0,
-                     out=out, data=[], size=size, stage=0, steps=4, batch_size=1, seq_len=seq,
-                     precision=precision)
+    return _quiet_run(hw, out, size=size, stage=0, steps=4, batch_size=1, seq_len=seq, precision=precision)
 
 
 def measured_worker(args) -> dict:

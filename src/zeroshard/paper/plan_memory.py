@@ -301,13 +301,12 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries
     step = 4 * step_group * (2 if not off_opt else 1)
     # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
-    secondary = pb * sum(p for p, _ in shards(shape, setup.mp, setup.hpz)) / setup.hpz if setup.hpz else 0
-    on_step = step if not off_opt else 0
-    if device == "cpu":  # glibc keeps what backward frees (buffers of up to 32 MiB stay in its heap),
-        # and the step's fp32 temporaries do not fit those holes: the two add rather than overlap
-        on_device = st.device + kept + secondary + transient + temp + on_step
-    else:
-        on_device = st.device + kept + secondary + max(transient + temp, on_step)
+    secondary = pb * sum(part for _, part in shards(shape, setup.mp, setup.hpz)) if setup.hpz else 0
+    freed, on_step = transient + temp, step if not off_opt else 0
+    # on a CPU, glibc keeps what backward frees (buffers of up to 32 MiB stay in its heap) and the
+    # step's fp32 temporaries do not fit those holes: the two add rather than overlap
+    after = freed + on_step if device == "cpu" else max(freed, on_step)
+    on_device = st.device + kept + secondary + after
     host_extra = step if off_opt else 0
     frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
     parts = {

@@ -126,14 +126,14 @@ def dp_comm_time(shape: Shape, s: Setup, nproc: int, rates: Rates) -> float:
         3: [("reduce_scatter", grads, s.accumulation), ("all_gather", params, 2 * s.accumulation)],
     }[s.stage]
     latency = len(shape.units) * rates.latency
+    # within a node: the ring at the node's bandwidth (the measured rates are the data-parallel group's)
+    inside = replace(rates, collective=rates.mp_collective, all_reduce=0.0, reduce_scatter=0.0,
+                     all_gather=0.0)
     if s.mics:  # every collective above inside a node, then the shard's all-reduce over dp / mics
-        inside = replace(rates, collective=rates.mp_collective, all_reduce=0.0, reduce_scatter=0.0,
-                         all_gather=0.0)
         across = collective_time("all_reduce", grads / shard, dp // shard, rates)
         return across + sum(n * (collective_time(k, b, shard, inside) + latency) for k, b, n in calls)
     total = sum(n * (collective_time(kind, size, dp, rates) + latency) for kind, size, n in calls)
     if s.hpz and s.stage == 3:  # backward's gather from the secondary partition, within a node
-        inside = replace(rates, collective=rates.mp_collective, all_gather=0.0)
         backward = s.accumulation * collective_time("all_gather", params, dp, rates)
         total += s.accumulation * collective_time("all_gather", params, s.hpz, inside) - backward
     return total
