@@ -92,3 +92,73 @@ def test_across_nodes_mics_and_hpz_are_weighed_and_written_as_configs_that_load(
         config = zeroshard.Config.load(config_of(p, 8, None))
         on = (config.zero.mics_shard_size > 0, config.zero.zero_hpz_partition_size > 1)
         assert on == ((True, False) if p is mics else (False, True))
+
+
+def _saved_bytes(model, tokens, loss_of) -> int:
+    """Bytes autograd saves for backward in one forward (each storage once, parameters left out)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_of(model, tokens)
+    return sum(seen.values())
+
+
+GPT2_HF = {"model_type": "gpt2", "n_embd": 128, "n_head": 4, "vocab_size": 512, "n_positions": 64}
+LLAMA_HF = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 344, "vocab_size": 512, "max_position_embeddings": 64,
+            "tie_word_embeddings": False}
+
+
+def _model_and_shape(family: str, extra: dict, layers: int, folder):
+    import json
+
+    from zeroshard.app.gpt import GPT, GPTConfig
+
+    if family == "builtin":
+        model = GPT(GPTConfig(seq_len=64, layers=layers, width=128, heads=4))
+        return model, gpt2_shape("b", layers, 128, 4, 256, 64)
+    from zeroshard.hf import causal_lm_from_config
+    from zeroshard.paper.plan_shapes import shape_from_hf
+
+    key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    config = {**(GPT2_HF if family == "gpt2" else LLAMA_HF), **extra, key: layers}
+    path = folder / f"{family}-{layers}.json"
+    path.write_text(json.dumps(config))
+    return causal_lm_from_config(str(path), 64), shape_from_hf(config)
+
+
+@pytest.mark.parametrize("family, extra", [("builtin", {}), ("gpt2", {}), ("llama", {}),
+                                           ("gpt2", {"activation_function": "gelu", "resid_pdrop": 0.0,
+                                                     "embd_pdrop": 0.0, "attn_pdrop": 0.0})])
+def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, family, extra):
+    """What one block keeps for backward, as the planner counts it, against the bytes autograd
+    actually saves (bf16, training mode): the difference between a 4- and a 2-block model, for the
+    built-in GPT and two Hugging Face families with their own activation functions, fp32 norms and
+    dropout. Within 10%."""
+    import torch
+
+    from zeroshard.app.gpt import lm_loss
+    from zeroshard.app.train import logits_of
+    from zeroshard.paper.plan_memory import activations
+
+    if family != "builtin":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    tokens, setup = torch.randint(0, 256, (4, 64)), Setup(1, "bf16", micro_batch=4, seq=64)
+    measured, predicted = [], []
+    for layers in (2, 4):
+        model, shape = _model_and_shape(family, extra, layers, tmp_path)
+        model = model.to(torch.bfloat16).train()
+        measured.append(_saved_bytes(model, tokens, lambda m, x: lm_loss(logits_of(m(x)), x)))
+        predicted.append(activations(shape, setup)[0])
+    ratio = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
+    assert 0.9 <= ratio <= 1.1, (family, extra, predicted, measured)

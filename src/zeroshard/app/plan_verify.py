@@ -60,26 +60,25 @@ def _args(cli, p: Plan, hw, out: str, config: str):
 
 def _reference_args(hw, size: str, seq: int, precision: str, out: str):
     """A reference run (engine_reference): a built-in size, stage 0, one sequence, a few steps."""
-    return _quiet_run(hw, out, size=size, stage=0, steps=4, batch_size=1, seq_len=seq, precision=precision)
+    return _quiet_run(hw, out, size=size, stage=0, steps=8, batch_size=1, seq_len=seq, precision=precision)
 
 
 def measured_worker(args) -> dict:
     """train.worker (which measures a rank's peak RSS above its resident size once its process
-    group is up), with the libraries the run needs loaded before that baseline, as torch and
-    zeroshard are: the engine's modules, imported on first use, and a Hugging Face model's (about
-    90 MiB of imports, by a model built on "meta"). Their code is not the model's memory."""
+    group is up), with the code the run needs loaded before that baseline, as torch and zeroshard
+    are: the engine's modules, imported on first use, and the model's own (a Hugging Face model's
+    are about 90 MiB; the built-in GPT's first construction loads about 60 MiB of torch's), by the
+    run's model built once on "meta", which allocates nothing. Code is not the model's memory, and
+    every model's baseline is then taken at the same point."""
     import torch
 
     import zeroshard
 
-    from .train import worker
+    from .train import build_model, worker
 
     zeroshard.initialize  # noqa: B018 - imports the engine
-    if args.hf_config:
-        from zeroshard.hf import causal_lm_from_config
-
-        with torch.device("meta"):
-            causal_lm_from_config(args.hf_config, args.seq_len)
+    with torch.device("meta"):
+        build_model(args)
     return worker(args)
 
 
@@ -106,7 +105,7 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     from .plan_hw import cache_dir, machine_key
     from .train import launch
 
-    path = os.path.join(cache_dir(), f"engine-{machine_key(precision, hw.ranks)}.json")
+    path = os.path.join(cache_dir(), f"engine2-{machine_key(precision, hw.ranks)}.json")
     if os.path.isfile(path) and not again:
         with open(path) as f:
             return json.load(f)

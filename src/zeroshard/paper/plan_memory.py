@@ -48,6 +48,22 @@ class Shape:
     psi: int
     units: tuple[int, ...]
     tied: bool = True  # the output head shares the token embedding
+    # What a block saves beyond the family's plain block (a Hugging Face model's code; measured with
+    # saved-tensor hooks, tests/paper/test_plan_model.py): MLP-wide tensors saved per token (0: the
+    # family's: 2 for GELU, 3 for SwiGLU; GPT-2's "gelu_new", a formula of torch ops, saves 4);
+    # norms that compute in fp32 and save that copy (HF's RMSNorm); dropout on the residual stream
+    # (its output saved, 2 a block and the embeddings'); dropout on attention probabilities (torch's
+    # math attention then keeps the scores, six fp32 copies of heads x s^2 per sequence and block,
+    # instead of flash attention's q, k and v).
+    mlp_saved: int = 0
+    norm_fp32: bool = False
+    dropout: bool = False
+    attention_dropout: bool = False
+
+    @property
+    def mlp_wide(self) -> int:
+        """MLP-wide (ffn) tensors a block saves per token."""
+        return self.mlp_saved or (3 if self.family == "llama" else 2)
 
 
 def gpt2_shape(
@@ -257,20 +273,23 @@ def activations(shape: Shape, setup: Setup) -> tuple[float, float]:
     A block saves per token: its input and the two norms' outputs, q, k, v and the attention output
     (and its reshaped copy), the MLP's hidden twice (before and after the activation) - 9d + 2f
     elements (d width, f ffn; the gated MLP keeps three f-wide tensors), plus fp32 norm statistics and
-    the attention's log-sum-exp. MP splits the d- and f-wide ones. Checkpointing keeps the block's
+    the attention's log-sum-exp; and what a Hugging Face block saves beyond that (Shape.mlp_saved
+    and the fields below it). MP splits the d- and f-wide ones. Checkpointing keeps the block's
     input alone, and recomputes one block at a time. The head keeps the logits in the compute dtype
     and their fp32 copy and log-softmax for the loss (vocab-wide; split over MP as Megatron's
     vocab-parallel loss does)."""
     a, tokens = ACTIVATION_BYTES[setup.precision], setup.micro_batch * setup.seq
     d, f, mp = shape.width, shape.ffn, setup.mp
-    f_wide = 3 if shape.family == "llama" else 2
-    block = tokens * (a * (3 * d + (6 * d + f_wide * f) / mp) + 4 * (4 + shape.heads / mp))
+    block = tokens * (a * (3 * d + (6 * d + shape.mlp_wide * f) / mp) + 4 * (4 + shape.heads / mp))
+    block += tokens * d * (2 * 4 * shape.norm_fp32 * (a < 4) + 2 * a * shape.dropout)
+    if shape.attention_dropout:  # the math path: six fp32 copies of the scores, not flash's q, k, v
+        block += setup.micro_batch * 6 * 4 * shape.heads / mp * setup.seq**2 - tokens * 3 * a * d / mp
     logits = tokens * shape.vocab * (a + 8) / mp  # (vocab-parallel with MP, as Megatron's loss)
     if setup.checkpointing:
         kept = shape.layers * tokens * d * a / mp + block
     else:
         kept = shape.layers * block
-    embed = tokens * d * a * 2
+    embed = tokens * d * (a * (2 + shape.dropout) + 4 * shape.norm_fp32 * (a < 4))  # (and the final norm's)
     # backward's first moments: the logits' gradient (fp32 and compute dtype) and one block's gradients
     transient = tokens * shape.vocab * (4 + a) / mp + tokens * a * (2 * d + f / mp)
     return kept + logits + embed, transient

@@ -30,18 +30,44 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
     layers, width = _key(config, "n_layer", "num_hidden_layers"), _key(config, "n_embd", "hidden_size")
     heads, vocab = _key(config, "n_head", "num_attention_heads"), _key(config, "vocab_size")
     psi = hf_config_params(config)
-    if "n_embd" in config or config.get("model_type") == "gpt2":
-        return gpt2_shape(
-            name,
-            layers,
-            width,
-            heads,
-            vocab,
-            _key(config, "n_positions", "max_position_embeddings"),
-            _key(config, "n_inner", default=4 * width),
-            bool(config.get("tie_word_embeddings", True)),
-            psi,
-        )
+    family = "gpt2" if "n_embd" in config or config.get("model_type") == "gpt2" else "llama"
+    build = _gpt2_from_hf if family == "gpt2" else _llama_from_hf
+    return replace(build(config, name, layers, width, heads, vocab, psi), **_hf_block(config, family))
+
+
+# f-wide tensors an MLP saves per token with Hugging Face's activation functions (measured): torch's
+# own kernels save their input, the output is the next matmul's; "gelu_new" (GPT-2's default) and
+# its kin are formulas of torch ops, each op keeping its operands
+_MLP_SAVED = {"gelu_new": 4, "gelu_fast": 4, "quick_gelu": 3}
+
+
+def _hf_block(config: Mapping, family: str) -> dict:
+    """What a Hugging Face block of this family saves beyond the planner's plain block (Shape)."""
+    if family == "gpt2":
+        act = config.get("activation_function", "gelu_new")
+        dropout = any(config.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop"))
+        return {"mlp_saved": _MLP_SAVED.get(act, 2), "dropout": dropout,
+                "attention_dropout": bool(config.get("attn_pdrop", 0.1))}
+    return {"norm_fp32": True, "attention_dropout": bool(config.get("attention_dropout", 0.0))}
+
+
+def _gpt2_from_hf(config: Mapping, name: str, layers: int, width: int, heads: int, vocab: int,
+                  psi: int) -> Shape:
+    return gpt2_shape(
+        name,
+        layers,
+        width,
+        heads,
+        vocab,
+        _key(config, "n_positions", "max_position_embeddings"),
+        _key(config, "n_inner", default=4 * width),
+        bool(config.get("tie_word_embeddings", True)),
+        psi,
+    )
+
+
+def _llama_from_hf(config: Mapping, name: str, layers: int, width: int, heads: int, vocab: int,
+                   psi: int) -> Shape:
     return llama_shape(
         name,
         layers,

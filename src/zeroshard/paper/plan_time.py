@@ -83,10 +83,10 @@ def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
     """Forward and backward of one micro-batch: matrix flops, the activations' elementwise work,
     the per-parameter work and each layer's dispatch cost (with recompute: a third more of each),
     and the engine's own fixed work per micro-batch where calibrated."""
-    tokens, f_wide = s.micro_batch * s.seq, 3 if shape.family == "llama" else 2
+    tokens = s.micro_batch * s.seq
     recompute = 4 / 3 if s.checkpointing else 1.0
     if rates.elementwise:  # calibrated: the block's elements as the calibration counts them
-        per_layer = tokens * (9 * shape.width + f_wide * shape.ffn) / s.mp
+        per_layer = tokens * (9 * shape.width + shape.mlp_wide * shape.ffn) / s.mp
         elements = recompute * shape.layers * per_layer + 2 * tokens * shape.vocab / s.mp
         elementwise = elements / rates.elementwise
     else:
