@@ -35,10 +35,10 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
     return replace(build(config, name, layers, width, heads, vocab, psi), **_hf_block(config, family))
 
 
-# f-wide tensors an MLP saves per token with Hugging Face's activation functions (measured): torch's
-# own kernels save their input, the output is the next matmul's; "gelu_new" (GPT-2's default) and
-# its kin are formulas of torch ops, each op keeping its operands
-_MLP_SAVED = {"gelu_new": 4, "gelu_fast": 4, "quick_gelu": 3}
+# f-wide tensors an MLP saves per token with Hugging Face's activation functions, where they differ
+# from torch's own kernels (2: the input, and the output the next matmul keeps): "gelu_new", GPT-2's
+# default, is a formula of torch ops, each keeping its operands (measured: test_plan_model.py)
+_MLP_SAVED = {"gelu_new": 4}
 
 
 def _hf_block(config: Mapping, family: str) -> dict:
