@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit
-from zeroshard.app.plan_verify import optimizer_step_s
+from zeroshard.app.plan_verify import line, optimizer_step_s
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import Setup, disk_sub_groups, gpt2_shape, peak, states
 from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time
@@ -58,6 +58,14 @@ def test_a_verified_step_is_whole_optimizer_steps_without_the_first():
     assert optimizer_step_s([9.0, 1.0, 2.0, 1.0, 3.0, 1.0], 2) == pytest.approx(3.5)  # (3, 4) -> 3.5
     assert optimizer_step_s([9.0, 2.0, 4.0], 1) == pytest.approx(3.0)
     assert optimizer_step_s([5.0], 1) == 5.0
+
+
+def test_the_reference_line_fits_three_points_and_never_goes_negative():
+    """engine_reference's least-squares line: exact through collinear points; a negative slope (noise
+    in the references) is 0, with the mean as the intercept; an intercept below 0 is 0."""
+    assert line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0]) == pytest.approx((1.0, 2.0))
+    assert line([1.0, 2.0, 3.0], [0.3, 0.2, 0.1]) == pytest.approx((0.2, 0.0))
+    assert line([1.0, 2.0, 3.0], [1.0, 3.0, 5.0]) == pytest.approx((0.0, 2.0))
 
 
 def test_disk_buffers_are_resident_on_a_cpu_only_where_sub_groups_use_them(monkeypatch):
@@ -162,3 +170,27 @@ def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, fami
         predicted.append(activations(shape, setup)[0])
     ratio = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
     assert 0.9 <= ratio <= 1.1, (family, extra, predicted, measured)
+
+
+def test_cached_rates_older_than_max_age_are_measured_again(tmp_path, monkeypatch):
+    """calibrate(): cached figures are returned with their age; figures older than `max_age` (what
+    --verify passes) are measured again; `again` always measures."""
+    import os
+
+    from zeroshard.app import plan_calibrate, plan_hw
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs = []
+    monkeypatch.setattr(plan_calibrate, "measure", lambda *a: runs.append(a) or {"matmul": float(len(runs))})
+    figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False)
+    assert figures == {"matmul": 1.0} and age is None and len(runs) == 1
+    figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False, max_age=3600)
+    assert figures == {"matmul": 1.0} and 0 <= age < 60 and len(runs) == 1
+    path = plan_hw.calibration_path("bf16", 2)
+    os.utime(path, (os.path.getatime(path), os.path.getmtime(path) - 7200))
+    figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False)
+    assert figures == {"matmul": 1.0} and age > 7000  # no limit: the cache serves
+    figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False, max_age=3600)
+    assert figures == {"matmul": 2.0} and age is None and len(runs) == 2
+    figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False, again=True)
+    assert figures == {"matmul": 3.0} and len(runs) == 3

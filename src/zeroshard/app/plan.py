@@ -121,6 +121,9 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
     )
 
 
+VERIFY_MAX_AGE = 3600.0  # s: --verify measures older cached rates again
+
+
 def _hardware(parser, args, local: bool):
     from . import plan_hw
 
@@ -130,11 +133,15 @@ def _hardware(parser, args, local: bool):
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() > 0
     ranks = args.nproc or (torch.cuda.device_count() if cuda else 2)
-    figures, cached = plan_hw.calibrate(
-        args.precision, ranks, args.nvme_path or _tmp(), cuda, args.recalibrate
+    # --verify checks the prediction against this machine as it is now: rates measured more than
+    # an hour ago (a shared machine's drift with its neighbours' load) are measured again first
+    max_age = VERIFY_MAX_AGE if args.verify or args.verify_top else None
+    figures, age = plan_hw.calibrate(
+        args.precision, ranks, args.nvme_path or _tmp(), cuda, args.recalibrate, max_age
     )
     hw, line = plan_hw.local_hardware(args.nproc, figures, args.nvme_path)
-    line += " (rates from the cache; --recalibrate to measure again)" if cached else " (rates measured now)"
+    line += (" (rates measured now)" if age is None else
+             f" (rates from the cache, measured {age / 3600:.1f} h ago; --recalibrate to measure again)")
     return hw, line
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shutil
+import time
 
 from zeroshard.paper.plan import Hardware
 from zeroshard.paper.plan_time import Rates
@@ -62,15 +63,23 @@ def machine_key(precision: str, ranks: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def calibration_path(precision: str, ranks: int) -> str:
+    return os.path.join(cache_dir(), f"calibration2-{machine_key(precision, ranks)}.json")
+
+
 def calibrate(
-    precision: str, ranks: int, disk_dir: str, cuda: bool, again: bool = False
-) -> tuple[dict, bool]:
-    """This machine's rates for one rank, from the cache or measured now: (figures, from_cache)."""
-    path = os.path.join(cache_dir(), f"calibration2-{machine_key(precision, ranks)}.json")
+    precision: str, ranks: int, disk_dir: str, cuda: bool, again: bool = False, max_age: float | None = None
+) -> tuple[dict, float | None]:
+    """This machine's rates for one rank, from the cache or measured now: (figures, the cached
+    figures' age in seconds, None if measured now). `max_age`: older cached figures are measured
+    again (a shared machine's rates drift with its neighbours' load)."""
+    path = calibration_path(precision, ranks)
     if not again and os.path.isfile(path):
+        age = time.time() - os.path.getmtime(path)
         try:
             with open(path) as f:
-                return json.load(f), True
+                if max_age is None or age <= max_age:
+                    return json.load(f), age
         except (OSError, ValueError):
             pass
     from .plan_calibrate import measure
@@ -79,7 +88,7 @@ def calibrate(
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(figures, f, indent=1)
-    return figures, False
+    return figures, None
 
 
 def rates_of(figures: dict, cuda: bool, ranks: int = 1) -> Rates:

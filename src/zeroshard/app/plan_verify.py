@@ -82,31 +82,35 @@ def measured_worker(args) -> dict:
     return worker(args)
 
 
-REFERENCES = (("tiny", 16), ("medium", 16))  # the reference runs' built-in sizes and sequence length
+REFERENCES = (("tiny", 16), ("medium", 16), ("large", 16))  # the reference runs' sizes and sequence
 
 
 def engine_reference(hw, precision: str, again: bool = False) -> dict:
-    """What a CPU rank costs beyond the model's own bytes and arithmetic, from two reference runs
-    (a tiny and a medium built-in GPT, stage 0, one sequence of 16, the plan's precision):
-    - memory: measured growth = fixed + (1 + per_byte) x predicted peak, solved for both: the
-      runtime's fixed bytes (the corpus, the libraries' workspaces, less what the process had
-      already peaked at before its baseline) and the allocator's overhead per byte (freed memory
-      it keeps);
-    - time: measured step = predicted + step_fixed + step_per_param x Ψ, solved for both: the
-      engine's own work (its hooks and bookkeeping, the gradients landing in its flat buffers, the
-      casts around the step) that the calibrated rates of plain torch do not see. The reference
+    """What a CPU rank costs beyond the model's own bytes and arithmetic, from three reference runs
+    (the tiny, medium and large built-in GPT, stage 0, one sequence of 16, the plan's precision):
+    - memory, through the tiny and medium runs: measured growth = fixed + (1 + per_byte) x
+      predicted peak: the runtime's fixed bytes (the corpus, the libraries' workspaces, less what
+      the process had already peaked at before its baseline) and the allocator's overhead per
+      byte (freed memory it keeps);
+    - time, a least-squares line through all three: measured step = predicted + step_fixed +
+      step_per_param x Ψ: the engine's own work (its hooks and bookkeeping, the gradients landing
+      in its flat buffers, the casts around the step) that the calibrated rates of plain torch do
+      not see. The reference
       runs take one micro-batch per step, so they cannot tell a micro-batch's share from the
       step's: the fixed part is counted per micro-batch, the per-parameter part once per step.
-    Measured once per machine, precision and rank count (cached); never fitted to the
-    configurations a plan weighs or verifies."""
+    Measured once per machine, precision and rank count (cached, and again when the rates are
+    calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
     from zeroshard.paper.plan_memory import Setup, gpt2_shape
     from .gpt import config_for
-    from .plan_hw import cache_dir, machine_key
+    from .plan_hw import cache_dir, calibration_path, machine_key
     from .train import launch
 
-    path = os.path.join(cache_dir(), f"engine2-{machine_key(precision, hw.ranks)}.json")
-    if os.path.isfile(path) and not again:
+    path = os.path.join(cache_dir(), f"engine2-{machine_key(precision, hw.ranks)}-{_model_version()}.json")
+    # the residuals are against the calibrated rates: rates measured since make them stale
+    rates = calibration_path(precision, hw.ranks)
+    if os.path.isfile(path) and not again and not (
+            os.path.isfile(rates) and os.path.getmtime(path) < os.path.getmtime(rates)):
         with open(path) as f:
             return json.load(f)
     points = []
@@ -118,15 +122,41 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
         p = weigh(ref, Setup(0, precision, micro_batch=1, seq=seq), hw)
         points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
                        optimizer_step_s(result["step_s_each"], 1) - p.time.total))
-    (p0, m0, psi0, r0), (p1, m1, psi1, r1) = points
-    per_byte = max(0.0, (m1 - m0) / (p1 - p0) - 1)
-    per_param = max(0.0, (r1 - r0) / (psi1 - psi0))
-    found = {"fixed": max(0.0, m0 - (1 + per_byte) * p0), "per_byte": per_byte,
-             "step_fixed": max(0.0, r0 - per_param * psi0), "step_per_param": per_param, "references": points}
+    predicted, grown, psis, residuals = zip(*points)
+    # memory from the two smaller runs: the large one's stage-0 step leaves glibc's heap holes of its
+    # own (about a sub-group's temporaries, counted in the prediction) that would tilt the line
+    fixed, per_byte = line(predicted[:2], [g - p for p, g in zip(predicted[:2], grown[:2])])
+    step_fixed, per_param = line(psis, residuals)
+    found = {"fixed": fixed, "per_byte": per_byte, "step_fixed": step_fixed, "step_per_param": per_param,
+             "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(found, f)
     return found
+
+
+def line(xs, ys) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points, neither below 0 (a negative
+    slope is noise here: 0, and the intercept is the mean)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread) if spread else 0.0
+    return max(0.0, my - slope * mx), slope
+
+
+def _model_version() -> str:
+    """A hash of the planner's model (its memory and time modules): the reference runs' residuals
+    are against its predictions, so a changed model measures them again."""
+    import hashlib
+
+    from zeroshard.paper import plan_memory, plan_time
+
+    digest = hashlib.sha256()
+    for module in (plan_memory, plan_time):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def optimizer_step_s(micro_batch_s: list[float], accumulation: int) -> float:

@@ -317,7 +317,10 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     owned = sum(s if setup.stage >= 1 else p for p, s in sh)
     step_group = min(owned, SUB_GROUP_SIZE)
     off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
-    # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries
+    # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries. On
+    # a CPU torch's default Adam steps one tensor at a time (two fp32 temporaries of one buffer), but
+    # its first step creates each tensor's state between that tensor's temporaries, and glibc does
+    # not get the holes back: about a sub-group's worth stays resident (measured with mallinfo2)
     step = 4 * step_group * (2 if not off_opt else 1)
     # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
     secondary = pb * sum(part for _, part in shards(shape, setup.mp, setup.hpz)) if setup.hpz else 0
