@@ -146,14 +146,15 @@ def line(xs, ys) -> tuple[float, float]:
 
 
 def _model_version() -> str:
-    """A hash of the planner's model (its memory and time modules): the reference runs' residuals
-    are against its predictions, so a changed model measures them again."""
+    """A hash of the planner's model (its memory and time modules, and this one's fit): the
+    reference runs' residuals are against its predictions, so a changed model measures them again."""
     import hashlib
+    import sys
 
     from zeroshard.paper import plan_memory, plan_time
 
     digest = hashlib.sha256()
-    for module in (plan_memory, plan_time):
+    for module in (plan_memory, plan_time, sys.modules[__name__]):
         with open(module.__file__, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
