@@ -31,8 +31,32 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
     heads, vocab = _key(config, "n_head", "num_attention_heads"), _key(config, "vocab_size")
     psi = hf_config_params(config)
     family = "gpt2" if "n_embd" in config or config.get("model_type") == "gpt2" else "llama"
-    build = _gpt2_from_hf if family == "gpt2" else _llama_from_hf
-    return replace(build(config, name, layers, width, heads, vocab, psi), **_hf_block(config, family))
+    if family == "gpt2":
+        shape = gpt2_shape(
+            name,
+            layers,
+            width,
+            heads,
+            vocab,
+            _key(config, "n_positions", "max_position_embeddings"),
+            _key(config, "n_inner", default=4 * width),
+            bool(config.get("tie_word_embeddings", True)),
+            psi,
+        )
+    else:
+        shape = llama_shape(
+            name,
+            layers,
+            width,
+            heads,
+            vocab,
+            _key(config, "intermediate_size"),
+            _key(config, "num_key_value_heads", default=heads),
+            _key(config, "head_dim", default=width // heads),
+            bool(config.get("tie_word_embeddings", False)),
+            psi,
+        )
+    return replace(shape, **_hf_block(config, family))
 
 
 # f-wide tensors an MLP saves per token with Hugging Face's activation functions, where they differ
@@ -49,37 +73,6 @@ def _hf_block(config: Mapping, family: str) -> dict:
         return {"mlp_saved": _MLP_SAVED.get(act, 2), "dropout": dropout,
                 "attention_dropout": bool(config.get("attn_pdrop", 0.1))}
     return {"norm_fp32": True, "attention_dropout": bool(config.get("attention_dropout", 0.0))}
-
-
-def _gpt2_from_hf(config: Mapping, name: str, layers: int, width: int, heads: int, vocab: int,
-                  psi: int) -> Shape:
-    return gpt2_shape(
-        name,
-        layers,
-        width,
-        heads,
-        vocab,
-        _key(config, "n_positions", "max_position_embeddings"),
-        _key(config, "n_inner", default=4 * width),
-        bool(config.get("tie_word_embeddings", True)),
-        psi,
-    )
-
-
-def _llama_from_hf(config: Mapping, name: str, layers: int, width: int, heads: int, vocab: int,
-                   psi: int) -> Shape:
-    return llama_shape(
-        name,
-        layers,
-        width,
-        heads,
-        vocab,
-        _key(config, "intermediate_size"),
-        _key(config, "num_key_value_heads", default=heads),
-        _key(config, "head_dim", default=width // heads),
-        bool(config.get("tie_word_embeddings", False)),
-        psi,
-    )
 
 
 def shape_from_params(psi: float, layers: int, width: int, heads: int, vocab: int, seq: int) -> Shape:
