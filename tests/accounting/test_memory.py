@@ -7,6 +7,7 @@ import torch
 
 import zeroshard
 from helpers.accounting import adam_formula, live_tensor_bytes
+from zeroshard.core import heap
 from helpers.spawn import spawn
 from helpers.margins import close
 from helpers.models import TinyGPT, loss_fn, rank_batch
@@ -239,3 +240,48 @@ def _staging_freed(rank: int, world_size: int) -> None:
 
 def test_a_shared_gather_bucket_is_freed_when_copied_out():
     spawn(_staging_freed, 2)
+
+
+def _resident() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(not heap.can_release(), reason="malloc_trim is glibc's")
+def test_freed_heap_pages_go_back_to_the_os():
+    """Holes between live heap blocks stay resident until released: release_free_host_memory gives
+    back most of what was freed (64 MiB in 64 KiB holes, each between two live blocks)."""
+    blocks = [torch.ones(16 * 1024) for _ in range(2048)]  # 64 KiB each: from malloc's heap, touched
+    del blocks[::2]
+    freed = 1024 * 64 * 1024
+    before = _resident()
+    heap.release_free_host_memory()
+    assert before - _resident() > freed / 2, (before, _resident())
+    assert len(blocks) == 1024  # (alive until here)
+
+
+def test_a_release_follows_each_step_that_raised_the_peak(monkeypatch):
+    """HeapReleaser releases after a step whose end finds a higher peak resident size than the last
+    step's end (and after the first), not after one that left the peak where it was."""
+    peaks, released = iter([100, 100, 150, 150, 150, 160]), []
+    monkeypatch.setattr(heap, "_peak_resident", lambda: next(peaks))
+    monkeypatch.setattr(heap, "release_free_host_memory", lambda: released.append(1))
+    releaser = heap.HeapReleaser()
+    assert [releaser.after_step() for _ in range(6)] == [True, False, True, False, False, True]
+    assert len(released) == 3
+
+
+def test_the_engine_looks_at_the_heap_once_per_optimizer_step(one_process_group, monkeypatch):
+    """On a CPU device, by default: after each optimizer step (not each micro-batch); never when
+    zeroshard.release_host_memory is false."""
+    calls = []
+    monkeypatch.setattr(heap.HeapReleaser, "after_step", lambda self: calls.append(1))
+    for keys, expected in (({}, 2), ({"release_host_memory": "auto"}, 2),
+                           ({"release_host_memory": False}, 0)):
+        calls.clear()
+        engine = zeroshard.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1),
+                                      {"gradient_accumulation_steps": 2, "zeroshard": keys})
+        for _ in range(4):
+            engine.backward(engine(torch.ones(2, 4)).sum())
+            engine.step()
+        assert len(calls) == expected, (keys, len(calls))

@@ -103,6 +103,7 @@ def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
     ({"zero_optimization": {"stage": 2}, "zeroshard": {"offload_casts": "device"}},
      ["offload_casts", "offload_optimizer is off"]),
     ({"zeroshard": {"offload_casts": "gpu"}}, ["offload_casts", "host", "device"]),
+    ({"zeroshard": {"release_host_memory": "yes"}}, ["zeroshard.release_host_memory", "true or false"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      ["offload_optimizer needs", "stage >= 1"]),
     ({"zero_optimization": {"overlap_comm": "yes"}}, ["overlap_comm", "true or false"]),

@@ -228,7 +228,7 @@ def _wall_clock(cfg: Settings, value: Any) -> None:
 
 _ZEROSHARD_KEYS = ["check_collectives", "collective_timeout", "defer_param_gather", "delayed_param_update",
                    "offload_casts", "on_nonfinite", "pipelined_update", "quantized_gradient_bits",
-                   "ranks_per_node", "unit_modules"]
+                   "ranks_per_node", "release_host_memory", "unit_modules"]
 
 
 def _zeroshard(cfg: Settings, value: Any) -> None:
@@ -242,6 +242,8 @@ def _zeroshard(cfg: Settings, value: Any) -> None:
             cfg.ranks_per_node = as_int(name, v, 1)
         elif key == "pipelined_update":  # "auto": where it changes nothing a user sees (see Config)
             cfg.pipelined_update = None if v == "auto" else as_bool(name, v)
+        elif key == "release_host_memory":  # "auto": on a CPU device (core/heap.py)
+            cfg.release_host_memory = None if v == "auto" else as_bool(name, v)
         elif key == "unit_modules":
             cfg.unit_modules = _unit_modules(v)
         elif key == "check_collectives":  # true: every step; an integer K: every K steps

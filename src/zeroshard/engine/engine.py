@@ -28,6 +28,7 @@ from ..common.states import move
 from ..config import Config
 from ..construct import deferred_non_parameters, materialize_
 from ..core.flat_param import FlatParam
+from ..core.heap import HeapReleaser
 from ..core.nonfinite import NonFiniteGuard
 from ..core.optim import OptimizerSpec, build_optimizer, resolve_groups
 from ..core.policy import Buckets, StagePolicy
@@ -113,6 +114,9 @@ class Engine(EngineState, EngineCompat):
         self.precision = Precision.from_config(config)
         self.scaler = LossScaler(config.scaler, report=comm.rank == 0)
         self.nonfinite = NonFiniteGuard(config.on_nonfinite, comm)  # bf16/fp32: no scaler catches NaNs
+        release = config.release_host_memory
+        release = release if release is not None else comm.device.type == "cpu"
+        self.heap = HeapReleaser() if release else None  # (core/heap.py)
         options, group_of = resolve_groups(module, param_groups)
         # Fail before touching the model where we can: a dry run of the optimizer over stand-ins.
         home = torch.device("cpu") if config.zero.offload_optimizer else comm.device  # where shards live
@@ -319,6 +323,8 @@ class Engine(EngineState, EngineCompat):
         for flat in self.flats:
             flat.zero_grad()
         self.comm.end_step()
+        if self.heap is not None:  # what this step freed and the next may not reuse (core/heap.py)
+            self.heap.after_step()
         self.global_steps += 1
         watch.clock.step = self.global_steps
         every = self.config.steps_per_print
