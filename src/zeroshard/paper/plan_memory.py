@@ -223,6 +223,8 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
         s.offload_param != "none" and s.stage == 3,
     )
     separate = pb != 4 or off_opt or off_par
+    # stages 2-3 accumulating over micro-batches keep the reduced shard in fp32 (core/precision.py)
+    shard_gb = 4 if s.stage >= 2 and s.accumulation > 1 else gb
     params = grads = optimizer = disk = transfer = 0
     cached = 0
     for padded, shard in shards(shape, s.mp, dp):
@@ -233,7 +235,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
         )
         owned = shard if s.stage >= 1 else padded
         opt = ADAM_STATES * 4 * owned + STEP_COUNTER + (4 * owned if separate else 0)
-        params, grads = params + p, grads + gb * (shard if s.stage >= 2 else padded)
+        params, grads = params + p, grads + (shard_gb * shard if s.stage >= 2 else gb * padded)
         optimizer += opt
         if off_opt and s.offload_optimizer == "nvme":
             disk += (ADAM_STATES + 1) * 4 * owned
@@ -243,7 +245,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
                 cached += shard
                 transfer += p
         if off_opt and not one_memory:  # the reduced gradient's host copy, and the update's way up
-            transfer += owned * (gb + (0 if off_par or pb == 4 else pb))
+            transfer += owned * (shard_gb + (0 if off_par or pb == 4 else pb))
     if off_opt and s.offload_optimizer == "nvme":
         transfer += NVME_BUFFER_COUNT * disk_sub_groups(shape, s, dp)[1]
     offloaded = optimizer if off_opt else 0
@@ -308,12 +310,18 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     temp = 0.0
     if setup.stage == 3:  # the gathered unit and the one prefetched beside it; the root stays gathered
         temp += pb * (sh[0][0] + 2 * largest_padded)
-    if setup.stage >= 2:  # a unit's full-size gradient until its reduce-scatter is done; on a CPU
-        # group (gloo) every unit's, kept alive by its reduction in flight until backward ends
+    # A unit's full-size gradient until its reduce-scatter is done (stages 2-3), and on a CPU group
+    # gloo's reduce-scatter, an all-to-all that receives a full-size buffer (comm/gloo.py, stages
+    # 1-3). The engine keeps at most two reductions in flight (core/reduce.py), but on a CPU every
+    # unit's are counted: glibc keeps the freed buffers as holes in its heap until the step ends
+    # (core/heap.py), which the references' stage-0 runs, with none of these buffers, do not see.
+    if setup.stage >= 2:
         temp += gb * (sum(p for p, _ in sh) if device == "cpu" else largest_padded)
-    if setup.stage >= 1 and device == "cpu":  # gloo's reduce-scatter is an all-to-all that receives
-        # a full-size buffer (comm/gloo.py), one per unit in flight: all of them at backward's end
+    if setup.stage >= 1 and device == "cpu":
         temp += gb * sum(p for p, _ in sh)
+    if setup.stage >= 2 and setup.accumulation > 1:  # a reduction adding to the held fp32 shard
+        # receives into a shard-size buffer of its own first (comm/buckets.py): two in flight
+        temp += gb * 2 * max(part for _, part in sh)
     owned = sum(s if setup.stage >= 1 else p for p, s in sh)
     step_group = min(owned, SUB_GROUP_SIZE)
     off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
