@@ -144,7 +144,7 @@ class Settings:
     check_collectives: int = 0                 # compare ranks' collective histories every K steps (0: off)
     collective_timeout: float = 600.0          # seconds a collective may wait before the stall is diagnosed
     on_nonfinite: str = "raise"                # bf16/fp32: a NaN/inf gradient "raise"s or "skip"s the step
-    release_host_memory: bool | None = None    # free heap pages back to the OS each step (None: on a CPU)
+    release_host_memory: bool | None = None    # heap pages to the OS after a peak-raising step (None: CPU)
     activations: ActivationConfig | None = None  # None: no ZeRO-R activation checkpointing
     raw: dict[str, Any] = field(default_factory=dict)
 
