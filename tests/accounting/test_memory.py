@@ -242,21 +242,17 @@ def test_a_shared_gather_bucket_is_freed_when_copied_out():
     spawn(_staging_freed, 2)
 
 
-def _resident() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-
-
-@pytest.mark.skipif(not heap.can_release(), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(not heap.can_release() or heap.status_bytes("VmRSS") is None, reason="glibc and /proc")
 def test_freed_heap_pages_go_back_to_the_os():
     """Holes between live heap blocks stay resident until released: release_free_host_memory gives
     back most of what was freed (64 MiB in 64 KiB holes, each between two live blocks)."""
     blocks = [torch.ones(16 * 1024) for _ in range(2048)]  # 64 KiB each: from malloc's heap, touched
     del blocks[::2]
     freed = 1024 * 64 * 1024
-    before = _resident()
+    before = heap.status_bytes("VmRSS")
     heap.release_free_host_memory()
-    assert before - _resident() > freed / 2, (before, _resident())
+    after = heap.status_bytes("VmRSS")
+    assert before - after > freed / 2, (before, after)
     assert len(blocks) == 1024  # (alive until here)
 
 
@@ -264,7 +260,7 @@ def test_a_release_follows_each_step_that_raised_the_peak(monkeypatch):
     """HeapReleaser releases after a step whose end finds a higher peak resident size than the last
     step's end (and after the first), not after one that left the peak where it was."""
     peaks, released = iter([100, 100, 150, 150, 150, 160]), []
-    monkeypatch.setattr(heap, "_peak_resident", lambda: next(peaks))
+    monkeypatch.setattr(heap, "status_bytes", lambda field: next(peaks))
     monkeypatch.setattr(heap, "release_free_host_memory", lambda: released.append(1))
     releaser = heap.HeapReleaser()
     assert [releaser.after_step() for _ in range(6)] == [True, False, True, False, False, True]

@@ -46,13 +46,17 @@ def release_free_host_memory() -> None:
         trim(0)
 
 
-def _peak_resident() -> int | None:
-    """This process's peak resident size so far (VmHWM), in bytes; None where /proc has none."""
+def status_bytes(field: str) -> int | None:
+    """A figure of /proc/self/status (VmRSS: resident now; VmHWM: the peak), in bytes; None
+    where there is no /proc."""
     try:
         with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")), None)
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        return None
+        pass
+    return None
 
 
 class HeapReleaser:
@@ -68,7 +72,7 @@ class HeapReleaser:
 
     def after_step(self) -> bool:
         """Called after each optimizer step; True when it released."""
-        peak = _peak_resident()
+        peak = status_bytes("VmHWM")
         grew = peak is not None and (self._peak is None or peak > self._peak)
         self._peak = peak
         if grew:
