@@ -223,8 +223,9 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
         s.offload_param != "none" and s.stage == 3,
     )
     separate = pb != 4 or off_opt or off_par
-    # stages 2-3 accumulating over micro-batches keep the reduced shard in fp32 (core/precision.py)
-    shard_gb = 4 if s.stage >= 2 and s.accumulation > 1 else gb
+    # a gradient element's bytes: stages 2-3 accumulating over micro-batches keep the reduced shard
+    # in fp32 (core/precision.py)
+    grad_bytes = 4 if s.stage >= 2 and s.accumulation > 1 else gb
     params = grads = optimizer = disk = transfer = 0
     cached = 0
     for padded, shard in shards(shape, s.mp, dp):
@@ -235,7 +236,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
         )
         owned = shard if s.stage >= 1 else padded
         opt = ADAM_STATES * 4 * owned + STEP_COUNTER + (4 * owned if separate else 0)
-        params, grads = params + p, grads + (shard_gb * shard if s.stage >= 2 else gb * padded)
+        params, grads = params + p, grads + grad_bytes * (shard if s.stage >= 2 else padded)
         optimizer += opt
         if off_opt and s.offload_optimizer == "nvme":
             disk += (ADAM_STATES + 1) * 4 * owned
@@ -245,7 +246,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
                 cached += shard
                 transfer += p
         if off_opt and not one_memory:  # the reduced gradient's host copy, and the update's way up
-            transfer += owned * (shard_gb + (0 if off_par or pb == 4 else pb))
+            transfer += owned * (grad_bytes + (0 if off_par or pb == 4 else pb))
     if off_opt and s.offload_optimizer == "nvme":
         transfer += NVME_BUFFER_COUNT * disk_sub_groups(shape, s, dp)[1]
     offloaded = optimizer if off_opt else 0
