@@ -43,13 +43,16 @@ def test_train_resume_and_consolidate(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
-    # --resume without the run's model flags would build another model: named before any rank starts.
-    forgot = zeroshard_here("train", "--device", "cpu", "--steps", "25", "--out", out, "--resume")
-    assert forgot.returncode == 2 and "started with --size tiny" in forgot.stderr, forgot.stderr
-    # Resume on 3 ranks at stage 2, now with optimizer offload and compiled blocks: from step 20.
+    # --resume alone continues the run as it was trained (its model, stage, precision, micro-batch),
+    # and says so, rather than building the default model or changing stage unseen.
+    again = zeroshard("train", "--steps", "22", "--out", out, "--resume").stdout
+    assert "--resume: the run's own settings: --size tiny --seq-len 64 --stage 3 --precision fp32 " \
+        "--batch-size 8" in again and "ZeRO stage 3, 2 ranks" in again, again
+    # Resume on 3 ranks at stage 2, now with optimizer offload and compiled blocks: given flags win.
     second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
                        "--out", out, "--resume", "--offload-optimizer", "--compile").stdout
     assert "ZeRO stage 2, 3 ranks" in second and "MiB in host memory" in second
+    assert "this command's settings instead of the run's: --stage 2 (the run had --stage 3)" in second, second
     resumed = _train_losses(out)
     assert resumed[:20] == losses and len(resumed) == 25
     assert max(resumed[20:]) < losses[0] - 1.0  # compiled, it goes on from where it was
@@ -109,6 +112,14 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     before, after = (torch.load(tmp_path / name) for name in ("at2.pt", "at4.pt"))
     assert len(_train_losses(str(tmp_path / "a"))) == 4 and before.keys() == after.keys()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_training(tmp_path):
+    (tmp_path / "file").write_text("")
+    done = zeroshard_here("train", "--device", "cpu", "--size", "tiny", "--steps", "2",
+                          "--out", str(tmp_path / "file" / "run"))
+    assert done.returncode == 2 and f"--out {tmp_path / 'file' / 'run'} cannot be written" in done.stderr, \
+        done.stderr
 
 
 def test_lr_beside_a_scheduler_is_refused(tmp_path):

@@ -108,6 +108,8 @@ def saved(tmp_path_factory) -> str:
     for case, (name, damage, _) in DAMAGE.items():
         shutil.copytree(root / "good", root / case)
         damage(str(root / case / "step2" / name))
+    shutil.copytree(root / "good", root / "no latest")
+    os.remove(root / "no latest" / "latest")
     shutil.copytree(root / "good", root / "no manifest")  # copied without its manifests, then altered
     for tag in ("step1", "step2"):
         os.remove(root / "no manifest" / tag / integrity.MANIFEST)
@@ -125,7 +127,11 @@ def _load_checks(rank: int, world_size: int, root: str) -> None:
         with pytest.raises(zeroshard.CheckpointError) as error:  # through `latest`: step1 is offered
             engine.load_checkpoint(os.path.join(root, case))
         offered = os.path.join(root, case, "step1")
-        assert f"the newest complete checkpoint is '{offered}' (load it by that path)" in str(error.value)
+        assert f"the newest complete checkpoint is '{offered}' (load it by that path, or write 'step1' " \
+            f"into {os.path.join(root, case, 'latest')} to resume from it)" in str(error.value)
+    with pytest.raises(zeroshard.CheckpointError) as error:  # `latest` deleted: its checkpoints named
+        engine.load_checkpoint(os.path.join(root, "no latest"))
+    assert "holds checkpoints (step1, step2) but no 'latest' file naming the one to load" in str(error.value)
     missing = os.path.join(root, "never_saved")
     assert engine.load_checkpoint(missing, missing_ok=True) == (None, None)
     with pytest.raises(zeroshard.CheckpointError, match="does not exist"):

@@ -51,6 +51,23 @@ class Stack(nn.Module):
         return x
 
 
+class Blocks(nn.Module):
+    """Equal blocks and nothing else: no root unit gathered after them, so a rank that skipped one
+    reaches backward()'s check while its peer stalls in forward's last gather."""
+
+    def __init__(self, d: int = 16, layers: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.d = d
+
+    def forward(self, idx: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+        x = torch.nn.functional.one_hot(idx % self.d, self.d).float()
+        for i, block in enumerate(self.blocks):
+            if i != skip:
+                x = torch.relu(block(x))
+        return x
+
+
 class AuxStack(Stack):
     """With an auxiliary head, a unit of its own, run on every rank."""
 
@@ -68,13 +85,14 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
     for step in range(steps):
         x = torch.randint(0, 37, (2, 8), generator=g)
         faulty = rank == 1 and step == 2
-        skip = 1 if fault == "skip_unit" and faulty else None
+        skip = 1 if fault.startswith("skip_unit") and faulty else None
         if fault == "aux_alone":  # every rank runs the auxiliary head; its loss counts on rank 0 only
             out, aux = engine(x)
             engine.backward(loss_fn(out, x) + (loss_fn(aux, x) if rank == 0 else 0.0))
             engine.step()
             continue
-        engine.backward(loss_fn(engine(x, skip=skip), x))
+        out = engine(x, skip=skip)
+        engine.backward(out.square().mean() if fault == "skip_unit_blocks" else loss_fn(out, x))
         if fault == "backward_twice" and faulty:
             engine.backward(loss_fn(engine(x), x))
         if fault == "step_alone" and rank == 1 and step == 2:
@@ -103,7 +121,7 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     torch.manual_seed(0)
     config = {"zero_optimization": {"stage": stage},
               "zeroshard": {"check_collectives": True, "collective_timeout": timeout}}
-    model = AuxStack() if fault == "aux_alone" else Stack()
+    model = AuxStack() if fault == "aux_alone" else Blocks() if fault == "skip_unit_blocks" else Stack()
     engine = zeroshard.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config)
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
@@ -181,10 +199,12 @@ def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:
     assert all(r["store"]["bytes"] > 0 for r in results), results
 
 
-@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "step_alone"), (2, "save_alone")])
+@pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "skip_unit_blocks"), (3, "step_alone"),
+                                         (2, "save_alone")])
 def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str) -> None:
     """Stalled ranks compare how far they got through the store: a unit skipped in forward at stage 3
-    (no check runs there), or a save on rank 0 alone while the other logs through
+    (no check runs there; or the skipping rank reaches backward()'s check while its peer stalls in
+    forward), or a save on rank 0 alone while the other logs through
     zeroshard.mean_over_ranks (which the engine's watch covers), is named in seconds, not after
     collective_timeout."""
     results = _drill(stage, fault, str(tmp_path), timeout=PATIENT)

@@ -10,7 +10,7 @@ import sys
 
 from .sizes import SIZES
 from .options import DEFAULT_RUN, check_nvme_path, check_steps_beyond_checkpoint, default_run, \
-    defaults_from_config, ranks_report_errors, resolve_device
+    defaults_from_config, ranks_report_errors, resolve_device, resume_settings
 
 
 def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool) -> None:
@@ -77,8 +77,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                                    "beside the paper's formulas, plot the loss, sample text, checkpoint.")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage (default: the config's, else 3)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints (any stage or "
-                                                          "--nproc) up to --steps in total")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints up to --steps in "
+                                                          "total, with the run's settings where no flag is "
+                                                          "given (any stage or --nproc may be given)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a rank dies (killed, out of memory), restart every rank up to K times; "
                         "the group resumes from this run's last checkpoint (default 0)")
@@ -252,6 +253,8 @@ def _model_config(info: dict) -> tuple[str, dict] | None:
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
     resolve_device(parser, args)
+    if args.command == "train":
+        resume_settings(parser, args)
     default_run(args)
     import zeroshard
     from .data import check_paths

@@ -25,6 +25,7 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     checkpoints = checkpoints_of(args.out)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out} is a file; give a directory (created if missing)")
+    _check_writable(parser, args.out)
     if not os.path.isfile(os.path.join(checkpoints, LATEST)):
         if args.resume and not os.path.exists(checkpoints):
             parser.error(f"--resume: nothing to resume in --out {args.out} (no checkpoints there); drop "
@@ -43,6 +44,68 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     if done >= args.steps:
         parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
                      f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
+
+
+# What --resume takes from the run it continues where this command gives no value (the flags'
+# defaults are None or empty): its model, data, config, stage, precision, micro-batch and offloads,
+# and its activation checkpointing (a flag that is only ever turned on). Not --nproc, --device or
+# --tp (a run resumes on other ranks), nor --lr (the optimizer's state brings its own back).
+_RESUMED = ("size", "layers", "width", "hf_config", "seq_len", "data", "config", "stage", "precision",
+            "batch_size", "offload_optimizer", "offload_param", "nvme_path", "activation_checkpointing",
+            "partition_activations", "cpu_checkpointing")
+_DECIDED_BY_CONFIG = ("stage", "precision", "batch_size")  # a --config given now decides these
+
+
+def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--resume continues the run as it was trained: each of its settings this command does not give
+    is the run's own (saved with its checkpoint); given ones win. Both are printed, so a resumed run
+    never changes stage or precision unseen."""
+    import zeroshard
+    from .restart import LATEST, checkpoints_of
+    checkpoints = checkpoints_of(args.out)
+    if not (args.resume and os.path.isfile(os.path.join(checkpoints, LATEST))):
+        return  # (check_steps_beyond_checkpoint names a --resume with nothing to resume)
+    try:
+        saved = (zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("args") or {}
+    except (zeroshard.CheckpointError, TypeError, AttributeError):
+        return  # the ranks report an unreadable checkpoint, by name
+    taken, kept = [], []
+    for name in _RESUMED:
+        value, mine = saved.get(name), getattr(args, name, None)
+        if value in (None, [], False) or name in _DECIDED_BY_CONFIG and args.config is not None:
+            continue
+        if mine in (None, [], False):
+            setattr(args, name, value)
+            taken.append(name)
+        elif mine != value:
+            kept.append(f"{_flag(name, mine)} (the run had {_flag(name, value)})")
+    if "config" in taken and not os.path.isfile(args.config):
+        parser.error(f"--resume: the run in --out {args.out} was configured by --config {args.config}, "
+                     f"which is not there now: give its config again with --config")
+    if taken:
+        print(f"--resume: the run's own settings: {' '.join(_flag(n, getattr(args, n)) for n in taken)}")
+    if kept:
+        print(f"--resume: this command's settings instead of the run's: {'; '.join(kept)}")
+
+
+def _flag(name: str, value) -> str:
+    flag = "--" + name.replace("_", "-")
+    if value is True:
+        return flag
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+
+def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
+    """--out is created (as the run would) and written to now, not found unwritable when the run
+    ends and its checkpoint cannot be saved."""
+    import tempfile
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        parser.error(f"--out {out} cannot be written ({e.strerror or e}): give a directory this user "
+                     f"can create and write")
 
 
 def keep_aside(checkpoints: str) -> str:

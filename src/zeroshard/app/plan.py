@@ -98,10 +98,12 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
     if args.hf_config:
         from zeroshard.paper.plan_shapes import shape_from_hf
 
+        file = args.hf_config  # a config.json, or the model folder holding one (as train takes)
+        file = os.path.join(file, "config.json") if os.path.isdir(file) else file
         try:
-            with open(args.hf_config, encoding="utf-8") as f:
+            with open(file, encoding="utf-8") as f:
                 config = json.load(f)
-            return shape_from_hf(config, os.path.basename(os.path.dirname(os.path.abspath(args.hf_config))))
+            return shape_from_hf(config, os.path.basename(os.path.dirname(os.path.abspath(file))))
         except (OSError, ValueError) as e:
             parser.error(f"--hf-config {args.hf_config}: {e}")
     if args.params is not None:

@@ -174,7 +174,8 @@ def offer(parent: str | None, broken: str, comm: Comm | None = None) -> str:
     newest = newest_complete(parent, broken, comm)
     if newest is None:
         return f"; there is no other complete checkpoint in '{parent}'"
-    return f"; the newest complete checkpoint is '{newest}' (load it by that path)"
+    return (f"; the newest complete checkpoint is '{newest}' (load it by that path, or write "
+            f"'{os.path.basename(newest)}' into {os.path.join(parent, 'latest')} to resume from it)")
 
 
 def committed(parent: str) -> list[str]:

@@ -56,6 +56,10 @@ def _resolve(path: str) -> tuple[str, str | None]:
         if not os.path.isdir(path):
             raise CheckpointError(f"'{LATEST}' names '{tag}', which does not exist in {parent}"
                                   + integrity.offer(parent, path))
+    if parent is None and (held := integrity.committed(path)):  # a parent whose `latest` is gone
+        raise CheckpointError(f"'{path}' holds checkpoints ({', '.join(held)}) but no '{LATEST}' file "
+                              f"naming the one to load: load one by its path, or write its name into "
+                              f"{os.path.join(path, LATEST)}")
     if not os.path.isfile(os.path.join(path, integrity.METADATA)):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted save, "
                               f"or not a zeroshard checkpoint directory" + integrity.offer(parent, path))

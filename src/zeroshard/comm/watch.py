@@ -6,8 +6,10 @@ digest. Three ways in:
 
 * `check()`, at the start of every backward and step (every K steps with check_collectives: K):
   each rank compares (count, digest, clock) with rank 0's **through the c10d store**, never through
-  a collective. A collective could pair with a peer's different collective, and gloo aborts a
-  process whose peer sends more bytes than it expects; the store cannot mismatch.
+  a collective (a collective could pair with a peer's different collective, and gloo aborts a
+  process whose peer sends more bytes than it expects; the store cannot mismatch). While it waits
+  for rank 0's, it publishes its mark as a stalled rank does (below): rank 0 may be stalled in a
+  collective this rank skipped.
 * a wait that stalls. Waits are bounded, in 1 s slices. After each slice a stalled rank publishes
   how far it got (count, digest) and compares with the peers' published marks: a peer whose digest
   differs after the same number of calls has issued a different call, so the ranks diverged (found
@@ -178,11 +180,18 @@ class Watch:
             if self.checks > 16:  # every rank has read it: they have passed 16 checks since
                 self.store.delete_key(f"{self.prefix}check/{self.checks - 16}")
             return
-        try:
-            self.store.wait([key], timedelta(seconds=self.timeout))
-            theirs = self.store.get(key)
-        except RuntimeError:
-            raise self.diagnose(f"rank 0 did not reach {phase} within {self.timeout:g} s") from None
+        # Polled in slices, as a stalled collective is: rank 0 may be stalled in a collective this
+        # rank skipped (a unit run on rank 0 only), and its published mark proves the divergence.
+        start = time.monotonic()
+        while not self._all_set([key]):
+            if self._alarm_raised():
+                raise self.diagnose(f"a peer found a divergence while this rank waited for rank 0 at {phase}")
+            if (peer := self._differing_peer()) is not None:
+                raise self.diagnose(f"rank {peer} is stalled in a collective, and its calls differ from "
+                                    f"this rank's") from None
+            if time.monotonic() - start >= self.timeout:
+                raise self.diagnose(f"rank 0 did not reach {phase} within {self.timeout:g} s")
+        theirs = self.store.get(key)
         self._count_store(theirs)
         if theirs != token:
             raise self.diagnose(f"this rank's collectives differ from rank 0's at the start of {phase}")
@@ -231,12 +240,13 @@ class Watch:
     def _all_set(self, keys: list[str]) -> bool:
         """Are all `keys` set within one slice? Polled (a timed-out store.wait() logs two c10d
         warnings); a store gone is "no" (the next _alarm_raised() says so)."""
-        end = time.monotonic() + min(SLICE_S, self.timeout)
+        end, pause = time.monotonic() + min(SLICE_S, self.timeout), 0.001
         try:
             while not self.store.check(keys):
                 if time.monotonic() >= end:
                     return False
-                time.sleep(0.1)
+                time.sleep(pause)  # (short at first: a check's key is usually a moment away)
+                pause = min(2 * pause, 0.1)
         except dist.DistError:
             return False
         return True

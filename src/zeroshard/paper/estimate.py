@@ -177,7 +177,10 @@ def hf_config_params(config: Mapping) -> int:
 
 
 def load_hf_config(path: str | os.PathLike) -> int:
-    """Ψ of the config at `path`; OSError / ValueError when it cannot be read or understood."""
+    """Ψ of the config at `path` (a config.json, or the model folder holding one); OSError /
+    ValueError when it cannot be read or understood."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as f:
         config = json.load(f)  # json.JSONDecodeError is a ValueError
     if not isinstance(config, dict):

@@ -35,6 +35,8 @@ _OPTIMIZER_AUTO: dict[str, Callable[[Any], Any]] = {
     "lr": lambda a: a.learning_rate, "betas": lambda a: [a.adam_beta1, a.adam_beta2],
     "eps": lambda a: a.adam_epsilon, "weight_decay": lambda a: a.weight_decay,
 }
+_OPTIMIZER_NAMES = {"lr": "learning_rate", "betas": "[adam_beta1, adam_beta2]", "eps": "adam_epsilon",
+                    "weight_decay": "weight_decay"}
 # TrainingArguments.optim values that are torch optimizers zeroshard can run over flat shards
 TORCH_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
 # TrainingArguments that would hand the model to another engine, or that ZeroTrainer cannot honour yet
@@ -83,11 +85,17 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
     if isinstance(cfg.get("optimizer"), dict):
         params = cfg["optimizer"].get("params")
         for key, value in list(params.items()) if isinstance(params, dict) else []:
-            if _is_auto(value) and key in _OPTIMIZER_AUTO:
+            if key not in _OPTIMIZER_AUTO:
+                continue
+            if _is_auto(value):
                 params[key] = _OPTIMIZER_AUTO[key](args)
+            elif _listed(value) != _listed(_OPTIMIZER_AUTO[key](args)):  # as DeepSpeed's integration
+                raise _contradiction(f"optimizer.params.{key}", value, _OPTIMIZER_NAMES[key],
+                                     _OPTIMIZER_AUTO[key](args))
         warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, and "
-                      f"TrainingArguments.optim={optim!r} is ignored (with learning_rate, adam_* and "
-                      f"weight_decay, except where the section says \"auto\")", UserWarning, stacklevel=3)
+                      f"TrainingArguments.optim={optim!r} is ignored (its params are TrainingArguments' "
+                      f"learning_rate, adam_* and weight_decay, \"auto\" or equal)", UserWarning,
+                      stacklevel=3)
     elif not custom_optimizer and optim not in TORCH_OPTIMS:
         raise ConfigError(f"TrainingArguments.optim={optim!r} is not an optimizer zeroshard can run over "
                           f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
@@ -130,6 +138,11 @@ def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
             elif known and key != "warmup_min_lr" and value != read(args, steps):
                 raise _contradiction(f"scheduler.params.{key}", value, name, read(args, steps))
     return Config.load({"scheduler": section}).scheduler
+
+
+def _listed(value: Any) -> Any:
+    """A value as JSON writes it (betas: a tuple and a list are the same pair)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _contradiction(key: str, value: Any, name: str, expected: Any) -> ConfigError:
