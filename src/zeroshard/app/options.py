@@ -125,12 +125,22 @@ def keep_aside(checkpoints: str) -> str:
 
 
 def check_nvme_path(nvme_path: str | None, engine_config: dict) -> None:
-    """--nvme-path is only where nvme offload writes: given with nothing offloaded there, say so."""
+    """--nvme-path is where nvme offload writes: given with nothing offloaded there, missing where
+    something is, or not a directory, say so by the flag's name, before any rank starts."""
     zero = engine_config.get("zero_optimization", {})
-    if nvme_path is not None and not any(zero.get(key, {}).get("device") == "nvme"
-                                         for key in ("offload_optimizer", "offload_param")):
+    on_disk = [key for key in ("offload_optimizer", "offload_param")
+               if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"]
+    if nvme_path is not None and not on_disk:
         raise ValueError(f"--nvme-path {nvme_path}: nothing is offloaded to nvme; add --offload-optimizer "
                          f"nvme and/or --offload-param nvme, or drop --nvme-path")
+    for key in on_disk:
+        path = zero[key].get("nvme_path")
+        if path is None:
+            raise ValueError(f"--{key.replace('_', '-')} nvme needs --nvme-path DIR, the directory for its "
+                             f"files (or nvme_path in the config's zero_optimization.{key})")
+        if isinstance(path, str) and not os.path.isdir(path):  # (another type: Config.load names it)
+            given = f"--nvme-path {path}" if path == nvme_path else f"the config's nvme_path {path!r}"
+            raise ValueError(f"{given} is not a directory: create it, or give a directory on the disk to use")
 
 
 def _model_shape(a: dict) -> dict:
