@@ -238,8 +238,8 @@ def _model_config(info: dict) -> tuple[str, dict] | None:
     if not isinstance(run, dict):
         return None
     if run.get("hf_config"):
-        file = run["hf_config"]
-        file = os.path.join(file, "config.json") if os.path.isdir(file) else file
+        from zeroshard.paper.estimate import hf_config_file
+        file = hf_config_file(run["hf_config"])
         if not os.path.isfile(file):
             return None
         with open(file) as f:

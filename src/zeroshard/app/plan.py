@@ -96,10 +96,10 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
     if len(given) > 1:
         parser.error(f"give one of --hf-config, --model or --params, not {' and '.join(given)}")
     if args.hf_config:
+        from zeroshard.paper.estimate import hf_config_file
         from zeroshard.paper.plan_shapes import shape_from_hf
 
-        file = args.hf_config  # a config.json, or the model folder holding one (as train takes)
-        file = os.path.join(file, "config.json") if os.path.isdir(file) else file
+        file = hf_config_file(args.hf_config)  # a config.json, or the model folder holding one
         try:
             with open(file, encoding="utf-8") as f:
                 config = json.load(f)

@@ -176,12 +176,15 @@ def hf_config_params(config: Mapping) -> int:
                         bool(config.get("tie_word_embeddings", False)))
 
 
+def hf_config_file(path: str | os.PathLike) -> str:
+    """A Hugging Face config's file: `path` itself, or the config.json of the model folder it names."""
+    return os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+
+
 def load_hf_config(path: str | os.PathLike) -> int:
     """Ψ of the config at `path` (a config.json, or the model folder holding one); OSError /
     ValueError when it cannot be read or understood."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path, encoding="utf-8") as f:
+    with open(hf_config_file(path), encoding="utf-8") as f:
         config = json.load(f)  # json.JSONDecodeError is a ValueError
     if not isinstance(config, dict):
         raise ValueError("config.json must hold a JSON object")
