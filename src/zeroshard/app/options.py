@@ -20,7 +20,6 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     """An --out holding an earlier run's checkpoints: a new run moves them aside (keep_aside) and says
     where; --resume continues from them, and with --steps at or below their step would train
     nothing: say so."""
-    import zeroshard
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -35,11 +34,11 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
         print(f"--out {args.out} held an earlier run's checkpoints: moved to {keep_aside(checkpoints)} "
               f"(pass --resume to continue a run instead)")
         return
-    try:
-        client_state = zeroshard.checkpoint_info(checkpoints).get("client_state") or {}
-        done = len(client_state.get("losses", []))
-    except (zeroshard.CheckpointError, TypeError, AttributeError):
+    client_state = _saved_run(checkpoints)
+    losses = (client_state or {}).get("losses", [])
+    if client_state is None or not isinstance(losses, list):
         return  # the ranks report an unreadable checkpoint, by name
+    done = len(losses)
     _check_model_flags(parser, args, client_state.get("args") or {})
     if done >= args.steps:
         parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
@@ -60,16 +59,15 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """--resume continues the run as it was trained: each of its settings this command does not give
     is the run's own (saved with its checkpoint); given ones win. Both are printed, so a resumed run
     never changes stage or precision unseen."""
-    import zeroshard
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
     if not (args.resume and os.path.isfile(os.path.join(checkpoints, LATEST))):
         return  # (check_steps_beyond_checkpoint names a --resume with nothing to resume)
-    try:
-        saved = (zeroshard.checkpoint_info(checkpoints).get("client_state") or {}).get("args") or {}
-    except (zeroshard.CheckpointError, TypeError, AttributeError):
+    client_state = _saved_run(checkpoints)
+    if client_state is None:
         return  # the ranks report an unreadable checkpoint, by name
-    taken, kept = [], []
+    saved = client_state.get("args")
+    saved, taken, kept = saved if isinstance(saved, dict) else {}, [], []
     for name in _RESUMED:
         value, mine = saved.get(name), getattr(args, name, None)
         if value in (None, [], False) or name in _DECIDED_BY_CONFIG and args.config is not None:
@@ -86,6 +84,17 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         print(f"--resume: the run's own settings: {' '.join(_flag(n, getattr(args, n)) for n in taken)}")
     if kept:
         print(f"--resume: this command's settings instead of the run's: {'; '.join(kept)}")
+
+
+def _saved_run(checkpoints: str) -> dict | None:
+    """The client state `zeroshard train` saved with the latest checkpoint in `checkpoints` (its
+    losses and arguments), {} where another program saved it, None where it cannot be read."""
+    import zeroshard
+    try:
+        client_state = zeroshard.checkpoint_info(checkpoints).get("client_state") or {}
+    except (zeroshard.CheckpointError, AttributeError):
+        return None
+    return client_state if isinstance(client_state, dict) else None
 
 
 def _flag(name: str, value) -> str:
