@@ -3,6 +3,9 @@ any collective, by name; the launcher refuses more ranks than GPUs. Runs without
 only *claims* to be on a GPU stands in for one (it has no memory and refuses every operation)."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -169,3 +172,30 @@ def test_cli_device_and_rank_count(monkeypatch, capsys):
         args = argparse.Namespace(device=device, nproc=None)
         options.resolve_device(argparse.ArgumentParser(), args)
         assert (args.device, args.nproc) == ({"auto": "cuda"}.get(device, device), nproc)
+
+
+@pytest.mark.skipif(devices.other_threads_running() is None, reason="needs /proc (Linux)")
+def test_the_exit_waits_for_a_thread_that_is_still_running():
+    """The exit hook's wait (_let_workers_finish) sees a thread running outside the GIL, as a gloo
+    worker is, and returns once it has stopped: a worker left to the interpreter's teardown aborts
+    the process."""
+    started, stop = threading.Event(), threading.Event()
+    x = torch.randn(256, 256)
+
+    def busy() -> None:
+        started.set()
+        while not stop.is_set():
+            torch.mm(x, x)  # (the GIL released: the thread runs beside the caller)
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    started.wait()
+    try:
+        assert any(devices.other_threads_running() for _ in range(50))
+        threading.Timer(0.3, stop.set).start()
+        start = time.monotonic()
+        devices._let_workers_finish()
+        assert time.monotonic() - start >= 0.25  # (it waited for the thread, not a fixed pause)
+    finally:
+        stop.set()
+        worker.join()
+    assert not worker.is_alive()

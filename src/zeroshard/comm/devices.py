@@ -18,6 +18,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -89,6 +90,7 @@ def _release_at_exit() -> None:
         _release_registered = True
 
 
+SETTLE_S = 1.0          # the most an exit waits for the backend's threads to go quiet
 RELEASE_WAIT_S = 15.0  # what a clean teardown takes is milliseconds
 _abandoned = False      # a collective of the default group will never complete (see abandon_group)
 
@@ -103,16 +105,19 @@ def abandon_group() -> None:
 def _release_group() -> None:
     """At exit, the default group is destroyed, unless the script did it already: a gloo
     group left alive to the interpreter's teardown can abort the process there (std::terminate,
-    seen on torch 2.13 once torch._dynamo has run).
+    seen on torch 2.13 once torch._dynamo has run). Then the backend's threads are let finish
+    what they still hold (_let_workers_finish), for the same reason.
 
     After a DivergenceError a collective is still in flight, and destroying the group blocks until
     it times out (up to collective_timeout): the job would sit there long after its error was
     printed. Then (only then: a clean teardown may wait for a peer still saving) the teardown gets
     RELEASE_WAIT_S, and the process leaves with status 1, its error already reported."""
-    if not dist.is_initialized():
-        return
     if not _abandoned:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _let_workers_finish()
+        return
+    if not dist.is_initialized():
         return
     released = threading.Event()
 
@@ -190,3 +195,45 @@ def move_buffers(module: nn.Module, device: torch.device) -> list[tuple[nn.Modul
                 m._buffers[name] = moved.setdefault(id(b), b.to(device))
                 before.append((m, name, b))
     return before
+
+
+def _let_workers_finish() -> None:
+    """Return once no other thread of this process has been running at two looks in a row, each
+    after a sleep (the GIL released), or after SETTLE_S.
+
+    Why: a gloo worker thread drops its reference to a collective only after the caller's wait()
+    has returned. When that is the last reference, the drop releases Python tensors and so takes
+    the GIL. A worker that gets to it only once the interpreter is finalizing is made to exit by
+    Python, through C++ frames that cannot unwind: std::terminate and SIGABRT, after the script's
+    work is done (a 2-rank run that saves and exits, about 1 in 30 on a loaded 2-core machine).
+    The sleep hands the GIL to a worker waiting for it; the looks at /proc wait for one the
+    scheduler has not run yet. Where /proc is not there, one short sleep is all it gets."""
+    deadline, quiet = time.monotonic() + SETTLE_S, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        running = other_threads_running()
+        if running is None:
+            time.sleep(0.05)
+            return
+        quiet = 0 if running else quiet + 1
+
+
+def other_threads_running() -> bool | None:
+    """Is a thread of this process, other than the caller, running or ready to run (state R in
+    /proc/self/task/*/stat)? None where /proc is not there."""
+    me = threading.get_native_id()
+    try:
+        tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return None
+    for task in tasks:
+        if task == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]  # (the name, in parentheses, may hold spaces)
+        except (OSError, IndexError):
+            continue  # the thread has exited
+        if state == "R":
+            return True
+    return False
