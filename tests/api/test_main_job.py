@@ -244,6 +244,24 @@ def test_every_command_has_help(command):
     assert "usage: zeroshard " + command in zeroshard_here(command, "--help").stdout
 
 
+def test_version_names_zeroshard_and_torch():
+    from zeroshard import __version__
+    done = zeroshard_here("--version")
+    expected = f"zeroshard {__version__} (torch {torch.__version__})"
+    assert done.returncode == 0 and done.stdout.strip() == expected, done.stdout + done.stderr
+
+
+def test_a_width_the_heads_do_not_divide_gets_fewer_heads_and_says_so(capsys):
+    from zeroshard.app.cli import _say_heads
+    from zeroshard.app.gpt import config_for
+    from zeroshard.app.train import TrainArgs
+    assert [config_for("small", None, w, 16).heads for w in (128, 63, 62, 61)] == [4, 3, 2, 1]
+    _say_heads(TrainArgs(width=63))
+    assert capsys.readouterr().out == "--width 63: 3 attention heads (the small size's 4 do not divide it)\n"
+    _say_heads(TrainArgs(width=64, size="tiny"))
+    assert capsys.readouterr().out == ""
+
+
 def test_the_installed_entry_point_refuses_bad_input_by_name():
     """`python -m zeroshard` itself (the tests above call its main() in-process)."""
     done = zeroshard("bogus", check=False)

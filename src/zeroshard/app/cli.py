@@ -8,7 +8,7 @@ import math
 import os
 import sys
 
-from .sizes import SIZES
+from .sizes import SIZES, heads_for
 from .options import DEFAULT_RUN, check_nvme_path, check_steps_beyond_checkpoint, default_run, \
     defaults_from_config, ranks_report_errors, resolve_device, resume_settings
 
@@ -250,6 +250,16 @@ def _model_config(info: dict) -> tuple[str, dict] | None:
                                                             run["seq_len"]))
 
 
+def _say_heads(run) -> None:
+    """A --width that the size's heads do not divide gets fewer heads (sizes.heads_for): said, not
+    done quietly."""
+    if run.hf_config is None and run.width is not None:
+        heads, own = heads_for(run.size, run.width), SIZES[run.size][2]
+        if heads != own:
+            print(f"--width {run.width}: {heads} attention head{'s' * (heads > 1)} (the {run.size} size's "
+                  f"{own} do not divide it)")
+
+
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
     resolve_device(parser, args)
@@ -270,6 +280,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         defaults_from_config(args)
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds", "compare")}
         train_args = TrainArgs(**options)
+        _say_heads(train_args)
         check_paths(args.data)
         engine_config = train_args.engine_config()
         check_nvme_path(train_args.nvme_path, engine_config)
@@ -294,8 +305,26 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             compare(train_args, args.stages, args.rounds)
 
 
+class _Version(argparse.Action):
+    """`zeroshard --version`: zeroshard's and torch's versions, which a bug report needs (torch is
+    imported only when they are asked for)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        # (SUPPRESS: no `version` in the parsed arguments, which TrainArgs would refuse)
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
+                         help="print zeroshard's and torch's versions and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import torch
+
+        from .. import __version__
+        print(f"zeroshard {__version__} (torch {torch.__version__})")
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeroshard", description="ZeRO data parallelism for PyTorch")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _compare_parser(sub)

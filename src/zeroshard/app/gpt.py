@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-from .sizes import SIZES
+from .sizes import SIZES, heads_for
 
 
 @dataclass
@@ -25,11 +25,10 @@ class GPTConfig:
 
 def config_for(size: str, layers: int | None, width: int | None, seq_len: int) -> GPTConfig:
     """The GPT a run's flags describe: a named size, with layers and width overridden where given
-    (heads kept where they divide the width, else one)."""
-    size_layers, size_width, heads = SIZES[size]
+    (heads: sizes.heads_for)."""
+    size_layers, size_width, _ = SIZES[size]
     width = width or size_width
-    return GPTConfig(seq_len=seq_len, layers=layers or size_layers, width=width,
-                     heads=heads if width % heads == 0 else 1)
+    return GPTConfig(seq_len=seq_len, layers=layers or size_layers, width=width, heads=heads_for(size, width))
 
 
 class SelfAttention(nn.Module):

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from .sizes import SIZES
+from .sizes import SIZES, heads_for
 
 GIB = 2**30
 
@@ -116,11 +116,10 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
             return shape_from_params(args.params, args.layers, args.width, heads, args.vocab, seq)
         except ValueError as e:
             parser.error(str(e))
-    layers, width, heads = SIZES[args.model or "small"]
+    size = args.model or "small"
+    layers, width, _ = SIZES[size]
     width = args.width or width
-    return gpt2_shape(
-        args.model or "small", args.layers or layers, width, heads if width % heads == 0 else 1, 256, seq
-    )
+    return gpt2_shape(size, args.layers or layers, width, heads_for(size, width), 256, seq)
 
 
 VERIFY_MAX_AGE = 3600.0  # s: --verify measures older cached rates again
