@@ -132,6 +132,7 @@ def _release_group() -> None:
         _leave("exiting without destroying the process group")
     if not released.wait(RELEASE_WAIT_S):
         _leave(f"the process group could not be shut down within {RELEASE_WAIT_S:.0f} s: exiting")
+    _let_workers_finish()
 
 
 def _leave(what: str) -> None:
