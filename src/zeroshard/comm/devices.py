@@ -112,13 +112,17 @@ def _release_group() -> None:
     it times out (up to collective_timeout): the job would sit there long after its error was
     printed. Then (only then: a clean teardown may wait for a peer still saving) the teardown gets
     RELEASE_WAIT_S, and the process leaves with status 1, its error already reported."""
-    if not _abandoned:
-        if dist.is_initialized():
+    if dist.is_initialized():
+        if _abandoned:
+            _destroy_within(RELEASE_WAIT_S)
+        else:
             dist.destroy_process_group()
-        _let_workers_finish()
-        return
-    if not dist.is_initialized():
-        return
+    _let_workers_finish()
+
+
+def _destroy_within(seconds: float) -> None:
+    """Destroy the default group on a thread of its own; leave the process (status 1) if that
+    takes longer than `seconds`."""
     released = threading.Event()
 
     def destroy() -> None:
@@ -130,9 +134,8 @@ def _release_group() -> None:
         threading.Thread(target=destroy, name="zeroshard-release", daemon=True).start()
     except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12.0-3.12.2)
         _leave("exiting without destroying the process group")
-    if not released.wait(RELEASE_WAIT_S):
-        _leave(f"the process group could not be shut down within {RELEASE_WAIT_S:.0f} s: exiting")
-    _let_workers_finish()
+    if not released.wait(seconds):
+        _leave(f"the process group could not be shut down within {seconds:.0f} s: exiting")
 
 
 def _leave(what: str) -> None:
