@@ -209,7 +209,7 @@ def _let_workers_finish() -> None:
     has returned. When that is the last reference, the drop releases Python tensors and so takes
     the GIL. A worker that gets to it only once the interpreter is finalizing is made to exit by
     Python, through C++ frames that cannot unwind: std::terminate and SIGABRT, after the script's
-    work is done (a 2-rank run that saves and exits, about 1 in 30 on a loaded 2-core machine).
+    work is done (seen at the end of a 2-rank run that saved a checkpoint, on a loaded machine).
     The sleep hands the GIL to a worker waiting for it; the looks at /proc wait for one the
     scheduler has not run yet. Where /proc is not there, one short sleep is all it gets."""
     deadline, quiet = time.monotonic() + SETTLE_S, 0
