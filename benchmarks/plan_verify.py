@@ -155,7 +155,9 @@ def main() -> None:
             key, predicted, measured = peak_key(row), row["predicted"], row["measured"]
             print(f"{row['model']:7} {row['config']['name']:45} {key.split('_')[0]} peak "
                   f"{predicted[key] / MIB:7.1f} / {measured[key] / MIB:7.1f} MiB ({ratio(row, key):.2f})   "
-                  f"step {predicted['step_s']:.3f} / {measured['step_s']:.3f} s ({ratio(row, 'step_s'):.2f})",
+                  f"step {predicted['step_s']:.3f} / {measured['step_s']:.3f} s ({ratio(row, 'step_s'):.2f})"
+                  + (f"   host {predicted['host_peak_bytes'] / MIB:7.1f} / "
+                     f"{measured['host_peak_bytes'] / MIB:7.1f} MiB" if key == "device_peak_bytes" else ""),
                   flush=True)
     peaks = [abs(ratio(r, peak_key(r)) - 1) for r in rows]
     steps = [abs(ratio(r, "step_s") - 1) for r in rows]

@@ -174,7 +174,8 @@ def test_verified_peaks_within_20_percent(tmp_path):
     result = json.loads(done.stdout)
     assert len(result["verified"]) == 3
     for v in result["verified"]:
-        assert set(v["predicted"]) == set(v["measured"]) == {"device_peak_bytes", "host_peak_bytes", "step_s"}
+        assert set(v["predicted"]) == set(v["measured"]) == {"device_peak_bytes", "device_reserved_bytes",
+                                                             "host_peak_bytes", "step_s"}
         assert v["predicted"]["device_peak_bytes"] is None and v["measured"]["device_peak_bytes"] is None
         ratio = v["predicted"]["host_peak_bytes"] / v["measured"]["host_peak_bytes"]
         assert 0.8 <= ratio <= 1.2, (v["config"]["name"], v["predicted"], v["measured"])

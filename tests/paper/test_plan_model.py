@@ -1,7 +1,8 @@
 """The planner's step-time model and calibration as arithmetic: the fit recovers known rates, the
 engine's calibrated costs land where they are counted (per micro-batch, per step), measured
-collective rates replace the ring model, a verified step is whole optimizer steps, and disk
-offload's buffers are resident on a CPU only where a sub-group uses them."""
+collective rates replace the ring model, a verified step is whole optimizer steps, disk
+offload's buffers are resident on a CPU only where a sub-group uses them, and a GPU's peak is the
+larger of backward's start and the step, with pinned buffers at their allocator's sizes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from zeroshard.app.plan_calibrate import block_terms, fit
 from zeroshard.app.plan_verify import line, optimizer_step_s
 from zeroshard.paper import plan_memory
-from zeroshard.paper.plan_memory import Setup, disk_sub_groups, gpt2_shape, peak, states
+from zeroshard.paper.plan_memory import (Setup, activations, disk_sub_groups, gpt2_shape, peak,
+                                         pinned_rounding, states)
 from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time
 
 RATES = Rates(matmul=1e11, memory=1e10, host_adam=1e9, host_link=0.0, collective=1e9, mp_collective=1e9,
@@ -102,6 +104,38 @@ def test_across_nodes_mics_and_hpz_are_weighed_and_written_as_configs_that_load(
         assert on == ((True, False) if p is mics else (False, True))
 
 
+def test_a_gpu_peak_holds_no_gradient_at_backwards_start_at_stage_3():
+    """On a GPU (its allocator reuses what it frees) the peak is the larger of two moments:
+    backward's start (every activation; at stages 2-3 with one micro-batch no gradient yet) and
+    the step (the gradients, the activations gone). Accumulating, the reduced shards stay."""
+    one = Setup(3, "bf16", micro_batch=8, seq=256)
+    st, (kept, _) = states(SHAPE, one, 1, one_memory=False), activations(SHAPE, one)
+    p = peak(SHAPE, one, 1, "cuda")
+    tensors = p.device - p.parts["fragmentation"]
+    assert tensors == pytest.approx(st.device - st.grads + kept + p.parts["transient"])
+    assert kept > st.grads  # (so the moment without gradients is the larger here)
+    two = replace(one, accumulation=2)
+    held = peak(SHAPE, two, 1, "cuda")
+    assert held.device - held.parts["fragmentation"] >= states(SHAPE, two, 1, one_memory=False).device + kept
+    # a CPU's heap keeps what backward frees: there everything adds, gradients included
+    cpu = peak(SHAPE, one, 1, "cpu")
+    assert cpu.host >= states(SHAPE, one, 1).device + kept + cpu.parts["transient"]
+
+
+def test_pinned_transfer_buffers_count_at_the_next_power_of_two():
+    """torch's pinned-memory allocator rounds each block up to a power of two: a flat buffer of
+    1000 and one of 3000 bf16 elements, each with a gradient and a staging buffer (2000 -> 2048,
+    6000 -> 8192 bytes) waste 2 x (48 + 2192) bytes; no staging with parameter offload, none at all
+    without optimizer offload or on a CPU (no pinning there)."""
+    shape = replace(SHAPE, units=(1000, 3000))
+    offload = Setup(3, "bf16", "cpu", micro_batch=1, seq=16)
+    assert pinned_rounding(shape, offload, 1) == 2 * (48 + 2192)
+    assert pinned_rounding(shape, replace(offload, offload_param="cpu"), 1) == 48 + 2192
+    assert pinned_rounding(shape, replace(offload, offload_optimizer="none"), 1) == 0
+    gpu, cpu = peak(shape, offload, 1, "cuda"), peak(shape, offload, 1, "cpu")
+    assert gpu.parts["pinned_rounding"] == 2 * (48 + 2192) and cpu.parts["pinned_rounding"] == 0
+
+
 def _saved_bytes(model, tokens, loss_of) -> int:
     """Bytes autograd saves for backward in one forward (each storage once, parameters left out)."""
     import torch
@@ -170,6 +204,10 @@ def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, fami
         predicted.append(activations(shape, setup)[0])
     ratio = (predicted[1] - predicted[0]) / (measured[1] - measured[0])
     assert 0.9 <= ratio <= 1.1, (family, extra, predicted, measured)
+    # and the whole model's: the blocks, the embeddings, and the loss's fp32 log-softmax alone (the
+    # logits and their fp32 copy are freed once the loss is computed; counting them was 2.5 times
+    # the head's bytes)
+    assert 0.9 <= predicted[1] / measured[1] <= 1.1, (family, extra, predicted, measured)
 
 
 def test_cached_rates_older_than_max_age_are_measured_again(tmp_path, monkeypatch):

@@ -2,8 +2,10 @@
 path as `zeroshard train` (train.launch with the plan's config), and set the measured peaks and
 step time beside the predicted ones.
 
-Measured: on a GPU the device's peak (torch.cuda.max_memory_allocated, the most over the ranks) and
-the host's peak RSS above the process's baseline; on a CPU group one memory, so device is None and
+Measured: on a GPU the device's peak (torch.cuda.max_memory_allocated, the most over the ranks;
+beside the prediction less its fragmentation allowance), what the caching allocator reserved
+(max_memory_reserved, beside the prediction with the allowance), and the host's peak RSS above the
+process's baseline; on a CPU group one memory, so device is None and
 host is the peak RSS above the baseline (train.worker: /proc/self/status, the most over ranks).
 The baseline is taken once the rank's libraries are loaded and its process group is up;
 what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is a
@@ -98,6 +100,7 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
       not see. The reference
       runs take one micro-batch per step, so they cannot tell a micro-batch's share from the
       step's: the fixed part is counted per micro-batch, the per-parameter part once per step.
+    On a GPU the tiny and medium runs alone, for the memory: there the growth is the host's.
     Measured once per machine, precision and rank count (cached, and again when the rates are
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
@@ -114,7 +117,8 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
         with open(path) as f:
             return json.load(f)
     points = []
-    for size, seq in REFERENCES:
+    gpu = hw.device != "cpu"
+    for size, seq in REFERENCES[:2] if gpu else REFERENCES:  # (a GPU's need memory alone: below)
         with tempfile.TemporaryDirectory() as out:
             result = launch(_reference_args(hw, size, seq, precision, out), measured_worker)
         cfg = config_for(size, None, None, seq)
@@ -126,7 +130,7 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     # memory from the two smaller runs: the large one's stage-0 step leaves glibc's heap holes of its
     # own (about a sub-group's temporaries, counted in the prediction) that would tilt the line
     fixed, per_byte = line(predicted[:2], [g - p for p, g in zip(predicted[:2], grown[:2])])
-    step_fixed, per_param = line(psis, residuals)
+    step_fixed, per_param = line(psis, residuals) if not gpu else (0.0, 0.0)
     found = {"fixed": fixed, "per_byte": per_byte, "step_fixed": step_fixed, "step_per_param": per_param,
              "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -167,12 +171,14 @@ def optimizer_step_s(micro_batch_s: list[float], accumulation: int) -> float:
 
 
 def with_engine(hw, precision: str, again: bool = False):
-    """This CPU machine's Hardware with what engine_reference measured: the runtime's bytes, and
-    the engine's own step costs in its rates. A GPU's unchanged (there the runtime's bytes are the
-    host's, and the engine's work hides under the device's queue)."""
-    if hw.device != "cpu":
-        return hw
+    """This machine's Hardware with what engine_reference measured: the runtime's bytes, and on a
+    CPU the engine's own step costs in its rates. On a GPU the runtime's bytes are the host's (the
+    CUDA libraries loaded at the first kernels, the corpus; the tiny and medium runs' host growth,
+    as their stage-0 prediction holds nothing on the host), and the engine's work hides under the
+    device's queue."""
     found = engine_reference(hw, precision, again)
+    if hw.device != "cpu":
+        return replace(hw, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
     rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"])
     return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
 
@@ -194,13 +200,17 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:
             with ranks_report_errors(argparse.ArgumentParser(prog="zeroshard plan --verify")):
                 result = launch(_args(cli, p, hw, folder, config), measured_worker)
         cpu = hw.device == "cpu"
+        # the device's tensors (max_memory_allocated) beside the prediction without the allocator's
+        # allowance; what the allocator held (max_memory_reserved) beside the prediction with it
         predicted = {
-            "device_peak_bytes": None if cpu else p.peak.device,
+            "device_peak_bytes": None if cpu else p.peak.device - p.peak.parts["fragmentation"],
+            "device_reserved_bytes": None if cpu else p.peak.device,
             "host_peak_bytes": p.peak.host,
             "step_s": p.time.total,
         }
         measured = {
             "device_peak_bytes": None if cpu else float(result["gpu_peak"]),
+            "device_reserved_bytes": None if cpu else float(result["gpu_reserved"]),
             "host_peak_bytes": float(result["rss_growth"]),
             "step_s": optimizer_step_s(result["step_s_each"], p.setup.accumulation),
         }
@@ -210,6 +220,9 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:
                 "predicted": predicted,
                 "measured": measured,
                 "runtime_bytes": p.peak.parts.get("runtime", 0.0),
+                "predicted_parts": p.peak.parts,
+                "measured_states": result.get("memory_stats", {}),
+                "host_growth_phases": result.get("rss_growth_phases", {}),
             }
         )
     return out

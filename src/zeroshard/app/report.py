@@ -55,6 +55,12 @@ def gpu_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def gpu_reserved_peak(device: torch.device) -> int:
+    """The most GPU memory this process's caching allocator held at once on `device`: its tensors,
+    its rounding and the blocks it kept cached (0 off the GPU). What a device must have free."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
+
+
 def bytes_per_param(optimizer: torch.optim.Optimizer, precision: str) -> tuple[int, int, int]:
     """The paper's (p, g, K) for this run: p and g from the precision; K from what the optimizer
     keeps per element (Adam's two fp32 moments 8, SGD's momentum 4, plain SGD 0; known once it

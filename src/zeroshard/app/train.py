@@ -25,7 +25,8 @@ import zeroshard
 from .baseline import DDPBaseline
 from .data import Batches, load_corpus
 from .gpt import GPT, config_for, lm_loss, sample
-from .report import MIB, bytes_per_param, gpu_peak, peak_rss, print_report, reset_peak_rss, resident_rss
+from .report import (MIB, bytes_per_param, gpu_peak, gpu_reserved_peak, peak_rss, print_report,
+                     reset_peak_rss, resident_rss)
 from .restart import (checkpoints_of, drill_target, maybe_kill, new_run_id, report_line, resume,
                       store_per_attempt, write_progress)
 
@@ -194,13 +195,14 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     engine = build_engine(args)
+    phases = {"built": peak_rss() - rss_before}  # the peak RSS growth so far: where the host peak is
     rank = zeroshard.rank_and_world_size()[0]
     dp_rank, dp = data_rank(engine)
     data = Batches(load_corpus(args.data or None), args.seq_len)
     checkpoints = checkpoints_of(args.out)
     history, resumed = resume(engine, checkpoints, args.out, args.run_id, explicit=args.resume, lr=args.lr)
     progress = _progress(args, rank, initial=len(history))
-    times, tokens = [], 0
+    times, tokens, states_mib = [], 0, None
     kill, track = drill_target(), args.max_restarts > 0 and rank == 0
     if track:
         os.makedirs(args.out, exist_ok=True)
@@ -212,8 +214,13 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
         history.append(zeroshard.mean_over_ranks(loss))
         tokens += x.numel() * dp
+        if states_mib is None:  # once: memory_stats() waits for a pipelined update, which a step
+            # time must count where the next forward waits for it, not between the timed steps
+            states_mib = engine.memory_stats()["model_states_in_step"] / MIB
+            phases["first_step"] = peak_rss() - rss_before
+        # (no refresh of its own: update() redraws at the bar's pace, a line in 10 s into a log)
         progress.set_postfix(loss=f"{history[-1]:.3f}", tok_s=f"{tokens / sum(times):.0f}",
-                             states_MiB=f"{engine.memory_stats()['model_states_in_step'] / MIB:.1f}")
+                             states_MiB=f"{states_mib:.1f}", refresh=False)
         progress.update()
         resumed.first_step_done()
         _checkpoint_if_due(engine, args, history, track)
@@ -224,7 +231,8 @@ def worker(args: TrainArgs) -> dict[str, Any]:
         engine.save_checkpoint(checkpoints, client_state=_client_state(args, history))
     text = _sample(engine, args, data)
     per_rank = zeroshard.gather_objects(stats)  # collective: every rank takes part
-    peaks = zeroshard.gather_objects((peak_rss() - rss_before, gpu_peak(engine.device)))
+    peaks = zeroshard.gather_objects((peak_rss() - rss_before, gpu_peak(engine.device),
+                                      gpu_reserved_peak(engine.device)))
     if rank == 0 and not args.quiet:
         print_report(engine, args, per_rank, history, val, text, sum(times), checkpoints)
         if resumed.restarts:
@@ -232,9 +240,11 @@ def worker(args: TrainArgs) -> dict[str, Any]:
     return {"train_loss": history[-1] if history else float("nan"), "val_loss": val,
             "step_ms": 1000 * statistics.median(times[1:] or times) if times else float("nan"),
             "step_s_each": times,
-            "model_states": stats["model_states_in_step"], "psi": engine.num_parameters(),
+            "model_states": stats["model_states_in_step"], "memory_stats": stats,
+            "psi": engine.num_parameters(),
             "bytes_per_param": bytes_per_param(engine.optimizer, args.precision),
             "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks),
+            "gpu_reserved": max(p[2] for p in peaks), "rss_growth_phases": phases,
             "run_id": args.run_id, **resumed.as_dict()}
 
 

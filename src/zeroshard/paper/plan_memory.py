@@ -256,6 +256,23 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
     return States(params, grads, optimizer, transfer, device, host, disk)
 
 
+def pinned_rounding(shape: Shape, setup: Setup, nproc: int) -> int:
+    """Host bytes that pinned memory takes beyond the offload's transfer buffers (a GPU's): torch's
+    caching host allocator rounds every pinned block up to a power of two, and each flat buffer has
+    its own gradient buffer (and, where the update goes up in 16 bits, staging buffer)."""
+    s = setup
+    if s.offload_optimizer != "cpu" or s.stage < 1:
+        return 0
+    pb, gb, _ = BYTES_PER_PARAM[s.precision]
+    grad_bytes = 4 if s.stage >= 2 and s.accumulation > 1 else gb
+    staging = 0 if (s.offload_param != "none" and s.stage == 3) or pb == 4 else pb
+    waste = 0
+    for _, shard in shards(shape, s.mp, s.shard_degree(nproc)):
+        for size in (shard * grad_bytes, shard * staging):
+            waste += (1 << (size - 1).bit_length()) - size if size else 0
+    return waste
+
+
 @dataclass(frozen=True)
 class Peak:
     """Predicted peak bytes of one rank by place, and what makes them up."""
@@ -278,23 +295,26 @@ def activations(shape: Shape, setup: Setup) -> tuple[float, float]:
     elements (d width, f ffn; the gated MLP keeps three f-wide tensors), plus fp32 norm statistics and
     the attention's log-sum-exp; and what a Hugging Face block saves beyond that (Shape.mlp_saved
     and the fields below it). MP splits the d- and f-wide ones. Checkpointing keeps the block's
-    input alone, and recomputes one block at a time. The head keeps the logits in the compute dtype
-    and their fp32 copy and log-softmax for the loss (vocab-wide; split over MP as Megatron's
-    vocab-parallel loss does)."""
+    input alone, and recomputes one block at a time. The loss (vocab-wide, split over MP as
+    Megatron's vocab-parallel loss is) keeps its fp32 log-softmax alone: the logits and their fp32
+    copy are its inputs only, freed once it is computed (a loop that keeps the logits, as a Hugging
+    Face output holding them does, keeps more). Backward's first moment holds beside it the
+    log-softmax's gradient and the logits' in fp32, more than the forward's end (logits, copy and
+    log-softmax) holds: the transient counts 8 bytes an element."""
     a, tokens = ACTIVATION_BYTES[setup.precision], setup.micro_batch * setup.seq
     d, f, mp = shape.width, shape.ffn, setup.mp
     block = tokens * (a * (3 * d + (6 * d + shape.mlp_wide * f) / mp) + 4 * (4 + shape.heads / mp))
     block += tokens * d * (2 * 4 * shape.norm_fp32 * (a < 4) + 2 * a * shape.dropout)
     if shape.attention_dropout:  # the math path: six fp32 copies of the scores, not flash's q, k, v
         block += setup.micro_batch * 6 * 4 * shape.heads / mp * setup.seq**2 - tokens * 3 * a * d / mp
-    logits = tokens * shape.vocab * (a + 8) / mp  # (vocab-parallel with MP, as Megatron's loss)
+    logits = tokens * shape.vocab * 4 / mp  # (vocab-parallel with MP, as Megatron's loss)
     if setup.checkpointing:
         kept = shape.layers * tokens * d * a / mp + block
     else:
         kept = shape.layers * block
     embed = tokens * d * (a * (2 + shape.dropout) + 4 * shape.norm_fp32 * (a < 4))  # (and the final norm's)
-    # backward's first moments: the logits' gradient (fp32 and compute dtype) and one block's gradients
-    transient = tokens * shape.vocab * (4 + a) / mp + tokens * a * (2 * d + f / mp)
+    # backward's first moments: the log-softmax's and the logits' fp32 gradients, one block's gradients
+    transient = tokens * shape.vocab * 8 / mp + tokens * a * (2 * d + f / mp)
     return kept + logits + embed, transient
 
 
@@ -310,7 +330,7 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     largest_padded = max(p for p, _ in sh)
     temp = 0.0
     if setup.stage == 3:  # the gathered unit and the one prefetched beside it; the root stays gathered
-        temp += pb * (sh[0][0] + 2 * largest_padded)
+        temp += pb * (sh[0][0] + 2 * max((p for p, _ in sh[1:]), default=0))
     # A unit's full-size gradient until its reduce-scatter is done (stages 2-3), and on a CPU group
     # gloo's reduce-scatter, an all-to-all that receives a full-size buffer (comm/gloo.py, stages
     # 1-3). The engine keeps at most two reductions in flight (core/reduce.py), but on a CPU every
@@ -334,11 +354,21 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
     secondary = pb * sum(part for _, part in shards(shape, setup.mp, setup.hpz)) if setup.hpz else 0
     freed, on_step = transient + temp, step if not off_opt else 0
-    # on a CPU, glibc keeps what backward frees (buffers of up to 32 MiB stay in its heap) and the
-    # step's fp32 temporaries do not fit those holes: the two add rather than overlap
-    after = freed + on_step if device == "cpu" else max(freed, on_step)
-    on_device = st.device + kept + secondary + after
+    if device == "cpu":
+        # glibc keeps what backward frees (buffers of up to 32 MiB stay in its heap) and the step's
+        # fp32 temporaries do not fit those holes: the two add rather than overlap
+        on_device = st.device + kept + secondary + freed + on_step
+    else:
+        # A GPU's caching allocator reuses what it frees: the peak is the larger of two moments.
+        # Backward's start holds every activation; at stages 2-3 with one micro-batch no gradient
+        # yet (they are freed after each step and grow as backward frees activations). The step
+        # holds the gradients and its temporaries, the activations gone.
+        grads_on_device = st.grads if setup.stage >= 2 and setup.accumulation == 1 else 0
+        backward_start = st.device - grads_on_device + kept + secondary + freed
+        on_device = max(backward_start, st.device + on_step)
     host_extra = step if off_opt else 0
+    rounding = pinned_rounding(shape, setup, nproc) if device != "cpu" else 0
+    host_extra += rounding
     frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
     parts = {
         "model_states": st.model_states,
@@ -348,6 +378,7 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
         "step": step,
         "fragmentation": frag,
         "transfer": st.transfer,
+        "pinned_rounding": rounding,
     }
     if device == "cpu":  # disk offload's buffers are plain memory here, resident only where used:
         # a step takes one per sub-group in turn, so fewer sub-groups than buffers leave some untouched

@@ -15,7 +15,9 @@ A step is `accumulation` micro-batches of forward and backward, then the optimiz
   counting; on a CPU group the collectives take the same cores, so they add;
 - the optimizer step: Adam over the rank's owned elements at the device's measured (else
   memory-bound) or the host Adam rate; with offload, the gradient's copy down and the update's
-  copy up over the host link; with disk offload, the optimizer's files read and written each step
+  copy up over the host link, one after the other (stage 3's pipelined update, core/pipeline.py,
+  may overlap them with the next forward; on one H200 its measured step matched their sum, not the
+  overlap: docs/plan.md); with disk offload, the optimizer's files read and written each step
   (overlapped with the host step: the longer counts), and stage-3 parameter shards read from
   disk at each gather beyond what the host cache holds.
 Pure arithmetic.
