@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit
-from zeroshard.app.plan_verify import line, optimizer_step_s
+from zeroshard.app.plan_verify import least_squares, line, optimizer_step_s
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import (Setup, activations, disk_sub_groups, gpt2_shape, peak,
                                          pinned_rounding, states)
-from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time
+from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time, token_time
 
 RATES = Rates(matmul=1e11, memory=1e10, host_adam=1e9, host_link=0.0, collective=1e9, mp_collective=1e9,
               disk_read=1e9, disk_write=1e9, overlap=False, layer_fixed=1e-3, elementwise=2e8,
@@ -43,6 +43,31 @@ def test_engine_costs_count_per_micro_batch_and_per_step():
     a, b = step_time(SHAPE, one, 2, rates), step_time(SHAPE, four, 2, rates)
     assert b.compute - a.compute == pytest.approx(3 * per_micro)  # Ψ's share once per step, not 4x
     assert a.compute == pytest.approx(per_micro + 1e-8 * SHAPE.psi)
+
+
+def test_the_token_scale_grows_the_token_work_alone():
+    """engine_token_scale multiplies what grows with a micro-batch's tokens (matrix and elementwise
+    work), not the per-parameter work, the layers' dispatch or the engine's fixed part: doubling
+    the tokens doubles only the scaled part."""
+    scaled = replace(RATES, engine_token_scale=0.5, engine_fixed=0.01)
+    small, large = (Setup(1, "bf16", micro_batch=m, seq=64) for m in (2, 4))
+    for s in (small, large):
+        extra = compute_time(SHAPE, s, scaled) - compute_time(SHAPE, s, RATES)
+        assert extra == pytest.approx(0.5 * token_time(SHAPE, s, RATES) + 0.01)
+    assert token_time(SHAPE, large, RATES) == pytest.approx(2 * token_time(SHAPE, small, RATES))
+
+
+def test_the_reference_fit_solves_three_terms_and_drops_a_negative_one():
+    """engine_reference's fit of the step residuals (fixed + per parameter + token scale): exact
+    where the residuals follow the terms; a term whose coefficient comes out negative (noise) is
+    0 and the others are fitted again."""
+    rows = [[1.0, 1e5, 0.01], [1.0, 5e6, 0.03], [1.0, 2.5e7, 0.09], [1.0, 5e6, 0.4]]
+    truth = [0.005, 4e-9, 1.5]
+    ys = [sum(c * x for c, x in zip(truth, r)) for r in rows]
+    assert least_squares(rows, ys) == pytest.approx(truth, rel=1e-6)
+    falling = [0.02, 0.019, 0.018, 0.02]  # falls with Ψ: no per-parameter term
+    found = least_squares(rows, falling)
+    assert found[1] == 0.0 and min(found) >= 0
 
 
 def test_measured_collective_rates_replace_the_ring_model():

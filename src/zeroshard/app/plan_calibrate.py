@@ -11,7 +11,10 @@
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
   CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
 - **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
-  an all-gather of 8 MiB (full-size bytes per second) and of 4 KiB (the latency per collective).
+  an all-gather of 8 MiB (full-size bytes per second) and of 2 KiB (the latency per collective).
+  On a CPU group the block's and the optimizer's rates are timed in those processes too, all at
+  once: a rank shares the machine's memory bandwidth and caches with its peers, and one process
+  timed alone measured faster than a rank runs.
 - A host memory copy, host <-> device copies on a GPU, and a disk write and read under the offload
   path.
 """
@@ -108,17 +111,31 @@ def adam_rate(device: str, fused: bool | None) -> float:
     return p.numel() / timed(lambda: (opt.step(), sync()), 3)
 
 
-def _collectives_rank(args, dtype) -> dict:
-    """One rank of the collectives' timing, through zeroshard's Comm (the path the engine takes:
-    on gloo a reduce-scatter is an all-to-all and a local sum)."""
-    import torch
+def _rank_rates(args, dtype) -> dict:
+    """One rank of a CPU group's timing, every rank at once: a block's and Adam's rates while the
+    peers run the same (they share the machine's memory bandwidth and caches in a run, too: one
+    process timed alone is faster than a rank is), then the collectives, through zeroshard's Comm
+    (the path the engine takes: on gloo a reduce-scatter is an all-to-all and a local sum)."""
 
     import zeroshard
 
     from .train import start_rank
 
     start_rank(args)  # the threads a rank gets, and its gloo group
-    comm, figures, ranks = zeroshard.Comm(), {}, args.nproc
+    comm = zeroshard.Comm()
+    comm.barrier()
+    figures = block_rates(dtype, "cpu", lambda: None)
+    comm.barrier()
+    figures["device_adam"], figures["host_adam"] = adam_rate("cpu", None), adam_rate("cpu", True)
+    comm.barrier()
+    return {**figures, **_collectives(comm, args.nproc, dtype)}
+
+
+def _collectives(comm, ranks: int, dtype) -> dict:
+    """all_reduce, reduce_scatter, all_gather of 8 MiB (full-size bytes/s) and the latency of 2 KiB."""
+    import torch
+
+    figures: dict = {}
     for label, nbytes in (("", 8 << 20), ("latency", 2 << 10)):
         numel = nbytes // torch.tensor([], dtype=dtype).element_size() // ranks * ranks
         full, part = torch.ones(numel, dtype=dtype), torch.ones(numel // ranks, dtype=dtype)
@@ -137,12 +154,13 @@ def _collectives_rank(args, dtype) -> dict:
     return figures
 
 
-def collective_rates(ranks: int, dtype) -> dict:
-    """all_reduce, reduce_scatter, all_gather (full-size bytes/s) and latency (s) among `ranks` gloo
-    processes on this machine (launched as `zeroshard train` launches its ranks; rank 0's figures)."""
+def rank_rates(ranks: int, dtype) -> dict:
+    """A block's and Adam's rates, all_reduce, reduce_scatter, all_gather (full-size bytes/s) and
+    latency (s) among `ranks` gloo processes on this machine (launched as `zeroshard train`
+    launches its ranks; rank 0's figures)."""
     from .train import TrainArgs, launch
 
-    return launch(TrainArgs(device="cpu", nproc=ranks), _collectives_rank, dtype)
+    return launch(TrainArgs(device="cpu", nproc=ranks), _rank_rates, dtype)
 
 
 def disk_rate(folder: str) -> tuple[float, float]:
@@ -181,9 +199,13 @@ def measure(precision: str, ranks: int, disk_dir: str, cuda: bool) -> dict:
     device = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out: dict = {}
+    group = not cuda and ranks > 1  # a CPU group's ranks share the machine: timed together, below
     try:
         with tqdm(total=5, desc="calibrate", leave=False) as bar:
-            out.update(block_rates(dtype, device, sync))
+            if not group:
+                out.update(block_rates(dtype, device, sync))
+                out["device_adam"] = adam_rate(device, True if cuda else None)
+                out["host_adam"] = adam_rate("cpu", True)
             bar.update()
             big = torch.empty(16 << 20, dtype=torch.float32)
             target = torch.empty_like(big)
@@ -194,11 +216,9 @@ def measure(precision: str, ranks: int, disk_dir: str, cuda: bool) -> dict:
                 pinned = torch.empty(32 << 20, dtype=torch.float32, pin_memory=True)
                 out["memory"] = 2 * dev.numel() * 4 / timed(lambda: (dev.clone(), sync()), 3)
                 out["host_link"] = dev.numel() * 4 / timed(lambda: (pinned.copy_(dev), sync()), 3)
-            out["device_adam"] = adam_rate(device, True if cuda else None)
-            out["host_adam"] = adam_rate("cpu", True)
             bar.update()
-            if not cuda and ranks > 1:
-                out.update(collective_rates(ranks, dtype))
+            if group:
+                out.update(rank_rates(ranks, dtype))
             bar.update()
             out["disk_write"], out["disk_read"] = disk_rate(disk_dir)
             bar.update(2)

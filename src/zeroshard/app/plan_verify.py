@@ -60,9 +60,10 @@ def _args(cli, p: Plan, hw, out: str, config: str):
     )
 
 
-def _reference_args(hw, size: str, seq: int, precision: str, out: str):
-    """A reference run (engine_reference): a built-in size, stage 0, one sequence, a few steps."""
-    return _quiet_run(hw, out, size=size, stage=0, steps=8, batch_size=1, seq_len=seq, precision=precision)
+def _reference_args(hw, size: str, seq: int, batch: int, precision: str, out: str):
+    """A reference run (engine_reference): a built-in size, stage 0, a few steps."""
+    return _quiet_run(hw, out, size=size, stage=0, steps=8, batch_size=batch, seq_len=seq,
+                      precision=precision)
 
 
 def measured_worker(args) -> dict:
@@ -84,27 +85,31 @@ def measured_worker(args) -> dict:
     return worker(args)
 
 
-REFERENCES = (("tiny", 16), ("medium", 16), ("large", 16))  # the reference runs' sizes and sequence
+# the reference runs' sizes, sequences and micro-batches: three of 16 tokens, one of 256
+REFERENCES = (("tiny", 16, 1), ("medium", 16, 1), ("large", 16, 1), ("medium", 64, 4))
 
 
 def engine_reference(hw, precision: str, again: bool = False) -> dict:
-    """What a CPU rank costs beyond the model's own bytes and arithmetic, from three reference runs
-    (the tiny, medium and large built-in GPT, stage 0, one sequence of 16, the plan's precision):
+    """What a CPU rank costs beyond the model's own bytes and arithmetic, from four reference runs
+    (the tiny, medium and large built-in GPT, stage 0, one sequence of 16, and the medium one with
+    four sequences of 64; the plan's precision):
     - memory, through the tiny and medium runs: measured growth = fixed + (1 + per_byte) x
       predicted peak: the runtime's fixed bytes (the corpus, the libraries' workspaces, less what
       the process had already peaked at before its baseline) and the allocator's overhead per
       byte (freed memory it keeps);
-    - time, a least-squares line through all three: measured step = predicted + step_fixed +
-      step_per_param x Ψ: the engine's own work (its hooks and bookkeeping, the gradients landing
-      in its flat buffers, the casts around the step) that the calibrated rates of plain torch do
-      not see. The reference
-      runs take one micro-batch per step, so they cannot tell a micro-batch's share from the
-      step's: the fixed part is counted per micro-batch, the per-parameter part once per step.
+    - time, least squares through all four (no term below 0): measured step = predicted +
+      step_fixed + step_per_param x Ψ + token_scale x the token work: the engine's own work (its
+      hooks and bookkeeping, the gradients landing in its flat buffers, the casts around the step)
+      that the calibrated rates of plain torch do not see, and what a rank's whole model takes per
+      token beyond a block timed alone (the 256-token run tells it apart). The reference runs
+      take one micro-batch per step, so they cannot tell a micro-batch's share from the step's:
+      the fixed part is counted per micro-batch, the per-parameter part once per step.
     On a GPU the tiny and medium runs alone, for the memory: there the growth is the host's.
     Measured once per machine, precision and rank count (cached, and again when the rates are
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
     from zeroshard.paper.plan_memory import Setup, gpt2_shape
+    from zeroshard.paper.plan_time import token_time
     from .gpt import config_for
     from .plan_hw import cache_dir, calibration_path, machine_key
     from .train import launch
@@ -118,25 +123,46 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
             return json.load(f)
     points = []
     gpu = hw.device != "cpu"
-    for size, seq in REFERENCES[:2] if gpu else REFERENCES:  # (a GPU's need memory alone: below)
+    for size, seq, batch in REFERENCES[:2] if gpu else REFERENCES:  # (a GPU's need memory alone)
         with tempfile.TemporaryDirectory() as out:
-            result = launch(_reference_args(hw, size, seq, precision, out), measured_worker)
+            result = launch(_reference_args(hw, size, seq, batch, precision, out), measured_worker)
         cfg = config_for(size, None, None, seq)
         ref = gpt2_shape(size, cfg.layers, cfg.width, cfg.heads, cfg.vocab_size, cfg.seq_len)
-        p = weigh(ref, Setup(0, precision, micro_batch=1, seq=seq), hw)
+        setup = Setup(0, precision, micro_batch=batch, seq=seq)
+        p = weigh(ref, setup, hw)
         points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
-                       optimizer_step_s(result["step_s_each"], 1) - p.time.total))
-    predicted, grown, psis, residuals = zip(*points)
+                       optimizer_step_s(result["step_s_each"], 1) - p.time.total,
+                       token_time(ref, setup, hw.rates)))
+    predicted, grown, psis, residuals, token_work = zip(*points)
     # memory from the two smaller runs: the large one's stage-0 step leaves glibc's heap holes of its
     # own (about a sub-group's temporaries, counted in the prediction) that would tilt the line
     fixed, per_byte = line(predicted[:2], [g - p for p, g in zip(predicted[:2], grown[:2])])
-    step_fixed, per_param = line(psis, residuals) if not gpu else (0.0, 0.0)
+    terms = [[1.0, psi, t] for psi, t in zip(psis, token_work)]
+    step_fixed, per_param, token_scale = least_squares(terms, residuals) if not gpu else (0.0, 0.0, 0.0)
     found = {"fixed": fixed, "per_byte": per_byte, "step_fixed": step_fixed, "step_per_param": per_param,
-             "references": points}
+             "token_scale": token_scale, "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(found, f)
     return found
+
+
+def least_squares(rows: list[list[float]], ys) -> list[float]:
+    """Least-squares coefficients of `rows` for `ys`, none below 0: a negative one is noise here,
+    dropped (0) and the rest fitted again."""
+    import torch
+
+    keep = list(range(len(rows[0])))
+    while True:
+        a = torch.tensor([[r[k] for k in keep] for r in rows], dtype=torch.float64)
+        b = torch.tensor(ys, dtype=torch.float64).reshape(-1, 1)
+        solved = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
+        if min(solved) >= 0 or len(keep) == 1:
+            out = [0.0] * len(rows[0])
+            for k, c in zip(keep, solved):
+                out[k] = max(c, 0.0)
+            return out
+        keep = [k for k, c in zip(keep, solved) if c >= 0]
 
 
 def line(xs, ys) -> tuple[float, float]:
@@ -179,7 +205,8 @@ def with_engine(hw, precision: str, again: bool = False):
     found = engine_reference(hw, precision, again)
     if hw.device != "cpu":
         return replace(hw, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
-    rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"])
+    rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"],
+                    engine_token_scale=found["token_scale"])
     return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
 
 

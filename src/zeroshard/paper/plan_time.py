@@ -56,6 +56,7 @@ class Rates:
     latency: float = 0.0  # s per collective
     engine_fixed: float = 0.0  # the engine's own work per micro-batch, s (app/plan_verify.engine_reference)
     engine_per_param: float = 0.0  # ... and per step and parameter of the rank's model slice, s
+    engine_token_scale: float = 0.0  # ... and the token work's share beyond the calibrated rates
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,10 @@ def model_flops(shape: Shape, setup: Setup) -> float:
     return step_flops(shape, Setup(**{**setup.__dict__, "checkpointing": False}))
 
 
-def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
-    """Forward and backward of one micro-batch: matrix flops, the activations' elementwise work,
-    the per-parameter work and each layer's dispatch cost (with recompute: a third more of each),
-    and the engine's own fixed work per micro-batch where calibrated."""
+def token_time(shape: Shape, s: Setup, rates: Rates) -> float:
+    """The work of one micro-batch that grows with its tokens, at the calibrated rates: matrix
+    flops and, where calibrated, the activations' elementwise work (else the saved activations
+    moved a few times at the device's memory rate); with recompute, a third more."""
     tokens = s.micro_batch * s.seq
     recompute = 4 / 3 if s.checkpointing else 1.0
     if rates.elementwise:  # calibrated: the block's elements as the calibration counts them
@@ -94,9 +95,18 @@ def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
     else:
         kept, _ = activations(shape, s)
         elementwise = 6 * kept * recompute / rates.memory  # each saved byte written, read, its grad
+    return step_flops(shape, s) / rates.matmul + elementwise
+
+
+def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
+    """Forward and backward of one micro-batch: the token work (scaled by what the engine's
+    reference runs measured beyond it), the per-parameter work and each layer's dispatch cost
+    (with recompute: a third more of each), and the engine's own fixed work per micro-batch."""
+    recompute = 4 / 3 if s.checkpointing else 1.0
     weights = shape.psi / s.mp / rates.weights if rates.weights else 0.0
     dispatch = (shape.layers * recompute + 1) * rates.layer_fixed
-    return step_flops(shape, s) / rates.matmul + elementwise + weights + dispatch + rates.engine_fixed
+    tokens = token_time(shape, s, rates) * (1 + rates.engine_token_scale)
+    return tokens + weights + dispatch + rates.engine_fixed
 
 
 def collective_time(kind: str, full_bytes: float, dp: int, rates: Rates) -> float:
