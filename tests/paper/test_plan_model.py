@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from zeroshard.app.plan_calibrate import block_terms, fit
-from zeroshard.app.plan_verify import least_squares, line, optimizer_step_s
+from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
+from zeroshard.app.plan_verify import line, optimizer_step_s
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import (Setup, activations, disk_sub_groups, gpt2_shape, peak,
                                          pinned_rounding, states)

@@ -53,12 +53,18 @@ def block_terms(width: int, tokens: int, seq: int) -> list[float]:
 def fit(rows: list[list[float]], seconds: list[float]) -> list[float]:
     """Least squares in relative error, every coefficient >= 0 (a negative one is dropped and the
     rest fitted again)."""
+    return least_squares([[x / s for x in r] for r, s in zip(rows, seconds)], [1.0] * len(rows))
+
+
+def least_squares(rows: list[list[float]], ys) -> list[float]:
+    """Least-squares coefficients of `rows` for `ys`, none below 0: a negative one is noise here,
+    dropped (0) and the rest fitted again."""
     import torch
 
     keep = list(range(len(rows[0])))
     while True:
-        a = torch.tensor([[r[k] / s for k in keep] for r, s in zip(rows, seconds)], dtype=torch.float64)
-        b = torch.ones(len(rows), 1, dtype=torch.float64)
+        a = torch.tensor([[r[k] for k in keep] for r in rows], dtype=torch.float64)
+        b = torch.tensor(ys, dtype=torch.float64).reshape(-1, 1)
         solved = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
         if min(solved) >= 0 or len(keep) == 1:
             out = [0.0] * len(rows[0])
@@ -116,7 +122,6 @@ def _rank_rates(args, dtype) -> dict:
     peers run the same (they share the machine's memory bandwidth and caches in a run, too: one
     process timed alone is faster than a rank is), then the collectives, through zeroshard's Comm
     (the path the engine takes: on gloo a reduce-scatter is an all-to-all and a local sum)."""
-
     import zeroshard
 
     from .train import start_rank

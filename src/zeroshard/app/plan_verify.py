@@ -111,6 +111,7 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     from zeroshard.paper.plan_memory import Setup, gpt2_shape
     from zeroshard.paper.plan_time import token_time
     from .gpt import config_for
+    from .plan_calibrate import least_squares
     from .plan_hw import cache_dir, calibration_path, machine_key
     from .train import launch
 
@@ -145,24 +146,6 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     with open(path, "w") as f:
         json.dump(found, f)
     return found
-
-
-def least_squares(rows: list[list[float]], ys) -> list[float]:
-    """Least-squares coefficients of `rows` for `ys`, none below 0: a negative one is noise here,
-    dropped (0) and the rest fitted again."""
-    import torch
-
-    keep = list(range(len(rows[0])))
-    while True:
-        a = torch.tensor([[r[k] for k in keep] for r in rows], dtype=torch.float64)
-        b = torch.tensor(ys, dtype=torch.float64).reshape(-1, 1)
-        solved = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
-        if min(solved) >= 0 or len(keep) == 1:
-            out = [0.0] * len(rows[0])
-            for k, c in zip(keep, solved):
-                out[k] = max(c, 0.0)
-            return out
-        keep = [k for k, c in zip(keep, solved) if c >= 0]
 
 
 def line(xs, ys) -> tuple[float, float]:
