@@ -213,19 +213,32 @@ def disk_sub_groups(shape: Shape, s: Setup, dp: int) -> tuple[int, int]:
     return count, largest
 
 
+def _grad_bytes(s: Setup) -> int:
+    """A gradient element's bytes: stages 2-3 accumulating over micro-batches keep the reduced shard
+    in fp32 (core/precision.py)."""
+    return 4 if s.stage >= 2 and s.accumulation > 1 else BYTES_PER_PARAM[s.precision][1]
+
+
+def _transfer_buffers(s: Setup) -> tuple[int, int]:
+    """Bytes per owned element of optimizer offload's two host buffers on a GPU: the reduced
+    gradient's copy down, and the update's 16-bit staging on its way up (none where the update goes
+    up as the fp32 master, or parameter shards are written on the host)."""
+    pb = BYTES_PER_PARAM[s.precision][0]
+    off_par = s.offload_param != "none" and s.stage == 3
+    return _grad_bytes(s), 0 if off_par or pb == 4 else pb
+
+
 def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> States:
     """A rank's model states for `setup` on `nproc` ranks. `one_memory`: a CPU group, where the
     offload's host copies are the device's own tensors (no transfer buffers)."""
     s, dp = setup, setup.shard_degree(nproc)
-    pb, gb, _ = BYTES_PER_PARAM[s.precision]
+    pb = BYTES_PER_PARAM[s.precision][0]
     off_opt, off_par = (
         s.offload_optimizer != "none" and s.stage >= 1,
         s.offload_param != "none" and s.stage == 3,
     )
     separate = pb != 4 or off_opt or off_par
-    # a gradient element's bytes: stages 2-3 accumulating over micro-batches keep the reduced shard
-    # in fp32 (core/precision.py)
-    grad_bytes = 4 if s.stage >= 2 and s.accumulation > 1 else gb
+    grad_bytes = _grad_bytes(s)
     params = grads = optimizer = disk = transfer = 0
     cached = 0
     for padded, shard in shards(shape, s.mp, dp):
@@ -246,7 +259,7 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
                 cached += shard
                 transfer += p
         if off_opt and not one_memory:  # the reduced gradient's host copy, and the update's way up
-            transfer += owned * (grad_bytes + (0 if off_par or pb == 4 else pb))
+            transfer += owned * sum(_transfer_buffers(s))
     if off_opt and s.offload_optimizer == "nvme":
         transfer += NVME_BUFFER_COUNT * disk_sub_groups(shape, s, dp)[1]
     offloaded = optimizer if off_opt else 0
@@ -263,12 +276,9 @@ def pinned_rounding(shape: Shape, setup: Setup, nproc: int) -> int:
     s = setup
     if s.offload_optimizer != "cpu" or s.stage < 1:
         return 0
-    pb, gb, _ = BYTES_PER_PARAM[s.precision]
-    grad_bytes = 4 if s.stage >= 2 and s.accumulation > 1 else gb
-    staging = 0 if (s.offload_param != "none" and s.stage == 3) or pb == 4 else pb
     waste = 0
     for _, shard in shards(shape, s.mp, s.shard_degree(nproc)):
-        for size in (shard * grad_bytes, shard * staging):
+        for size in (shard * per_element for per_element in _transfer_buffers(s)):
             waste += (1 << (size - 1).bit_length()) - size if size else 0
     return waste
 
