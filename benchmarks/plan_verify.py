@@ -9,8 +9,8 @@ ratios. The configurations cover stages 0-3, optimizer offload to cpu and nvme, 
 activation checkpointing, fp32 and bf16, the built-in GPT and two Hugging Face families (GPT-2 and
 LLaMA configs written here, small enough for a CPU); on a GPU, the 1.1B LLaMA of offload.py with
 and without offload. The targets: peaks within 10%, step times within 25%. --top3 also runs the
-planner's three best configurations for one shape and says whether the recommended one was the
-fastest.
+planner's three best configurations for one shape, alternately over a few rounds, and says whether
+the recommended one was the fastest by the medians.
 
     python benchmarks/plan_verify.py --steps 5 --top3    # 14 configurations and a top 3, ~5 min on 2 cores
     python benchmarks/plan_verify.py --only 0 3 --steps 2
@@ -109,19 +109,25 @@ def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -
     return {"model": model, **result}
 
 
-def top_three(nproc: int, steps: int, folder: str) -> None:
-    """The planner's three best for the medium GPT (bf16, global batch 8 x 64 tokens), each run:
-    is the recommended one the fastest measured?"""
+def top_three(nproc: int, steps: int, folder: str, rounds: int) -> None:
+    """The planner's three best for the medium GPT (bf16, global batch 8 x 64 tokens), each run
+    `rounds` times, alternately (1 2 3, 1 2 3, ...: a drift in a shared machine's speed then falls
+    on all three alike, where three runs one after the other would each meet their own): is the
+    recommended one the fastest by the medians?"""
     shape, cli = shape_and_cli("medium", folder, folder, steps)
     hw = this_machine("bf16", nproc, folder)
     best = [p for p in plan(shape, hw, 8, SEQ, "bf16", [1]) if p.fits][:3]
-    rows = verify(cli, shape, hw, best, 8)
-    for row in rows:
-        print(f"top 3: {row['config']['name']:45} step {row['predicted']['step_s']:.3f} predicted, "
-              f"{row['measured']['step_s']:.3f} measured")
-    fastest = min(range(len(rows)), key=lambda i: rows[i]["measured"]["step_s"])
+    runs = [verify(cli, shape, hw, best, 8) for _ in range(rounds)]
+    medians = []
+    for i, p in enumerate(best):
+        each = [r[i]["measured"]["step_s"] for r in runs]
+        medians.append(statistics.median(each))
+        print(f"top 3: {p.setup.name:45} step {p.time.total:.3f} predicted, {medians[-1]:.3f} measured "
+              f"(median of {', '.join(f'{t:.3f}' for t in each)})")
+    fastest = min(range(len(best)), key=lambda i: medians[i])
     print(f"the recommended configuration was {'the fastest' if fastest == 0 else 'not the fastest'} "
-          f"of the three measured (fastest: {rows[fastest]['config']['name']})")
+          f"of the three measured (fastest: {best[fastest].setup.name}; the recommended "
+          f"{medians[0] / medians[fastest]:.2f}x its median)")
 
 
 def ratio(row: dict, key: str) -> float:
@@ -140,6 +146,7 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="run these cases (indices) only")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--top3", action="store_true", help="also run the planner's three best (medium GPT)")
+    parser.add_argument("--rounds", type=int, default=3, help="--top3's alternating rounds (default 3)")
     parser.add_argument("--gpu", action="store_true", help="the 1.1B LLaMA on one GPU instead (seq 1024)")
     args = parser.parse_args()
     import torch
@@ -170,7 +177,7 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     if args.top3 and not gpu:
         with tempfile.TemporaryDirectory() as folder:
-            top_three(args.nproc, args.steps, folder)
+            top_three(args.nproc, args.steps, folder, args.rounds)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,37 @@ def test_the_token_scale_grows_the_token_work_alone():
     assert token_time(SHAPE, large, RATES) == pytest.approx(2 * token_time(SHAPE, small, RATES))
 
 
+def test_checkpointing_grows_the_blocks_work_by_the_measured_recompute_and_not_the_heads():
+    """A checkpointed block costs 1 + the calibrated recompute share of a plain one (a third where
+    not calibrated), in its token work and its dispatch; the head (the output projection and the
+    loss's softmax over the vocabulary) is not checkpointed and costs the same."""
+    plain, ckpt = (Setup(1, "bf16", checkpointing=c, micro_batch=4, seq=64) for c in (False, True))
+    tokens = 4 * 64
+    vocab, width = SHAPE.vocab, SHAPE.width
+    head = 6 * tokens * vocab * width / RATES.matmul + 2 * tokens * vocab / RATES.elementwise
+    blocks = token_time(SHAPE, plain, RATES) - head
+    for share, rates in ((1 / 3, RATES), (0.2, replace(RATES, recompute=0.2))):
+        assert token_time(SHAPE, ckpt, rates) == pytest.approx(head + (1 + share) * blocks)
+        weights = SHAPE.psi / RATES.weights
+        dispatch = compute_time(SHAPE, ckpt, rates) - token_time(SHAPE, ckpt, rates) - weights
+        assert dispatch == pytest.approx((SHAPE.layers * (1 + share) + 1) * RATES.layer_fixed)
+    assert token_time(SHAPE, plain, replace(RATES, recompute=0.2)) == token_time(SHAPE, plain, RATES)
+
+
+def test_the_calibration_measures_what_a_recompute_adds_to_a_block():
+    """block_rates times the block checkpointed beside plain: a recompute runs the forward again, so
+    it adds more than nothing and less than a whole forward and backward; Rates carry the share."""
+    import torch
+
+    from zeroshard.app.plan_calibrate import block_rates
+    from zeroshard.app.plan_hw import rates_of
+
+    figures = block_rates(torch.float32, "cpu", lambda: None)
+    assert 0.05 < figures["recompute"] < 1.0, figures
+    full = {**figures, "memory": 1e10, "host_adam": 1e9, "disk_read": 1e9, "disk_write": 1e9}
+    assert rates_of(full, cuda=False).recompute == figures["recompute"]
+
+
 def test_the_reference_fit_solves_three_terms_and_drops_a_negative_one():
     """engine_reference's fit of the step residuals (fixed + per parameter + token scale): exact
     where the residuals follow the terms; a term whose coefficient comes out negative (noise) is

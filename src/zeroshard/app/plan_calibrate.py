@@ -7,7 +7,10 @@
   shapes the elementwise work dominates and a fitted matrix rate is noise), the rate of the
   elementwise work (norms, activation functions, softmax, casts) and of the per-parameter work
   (reading weights, accumulating their gradients). One rate from one large matmul misjudges small
-  shapes several-fold; the fit holds within about 10% over the shapes measured.
+  shapes several-fold; the fit holds within about 10% over the shapes measured. The same block
+  checkpointed (reentrant, as the engine's ZeRO-R checkpoint is) gives the share its recompute
+  adds: the median over the shapes. It is not the forward's third of the flops everywhere: on a
+  CPU in bf16 the backward's kernels are the slower ones, and a recompute adds 15-30%.
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
   CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
 - **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
@@ -86,24 +89,29 @@ def matmul_rate(dtype, device: str, sync) -> float:
 
 def block_rates(dtype, device: str, sync) -> dict:
     """matmul (flop/s, one large product), then fitted over a block's forward and backward at six
-    shapes: layer_fixed (s), elementwise (elements/s), weights (parameters/s)."""
+    shapes: layer_fixed (s), elementwise (elements/s), weights (parameters/s); and recompute, the
+    share a checkpointed block's recompute adds to its forward and backward."""
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     from .gpt import Block, GPTConfig
 
     matmul = matmul_rate(dtype, device, sync)
-    rows, seconds, seq = [], [], SEQ[device]
+    rows, seconds, shares, seq = [], [], [], SEQ[device]
     for width, tokens in GPU_SHAPES if device == "cuda" else CPU_SHAPES:
         block = Block(GPTConfig(layers=1, width=width, heads=max(1, width // 64), seq_len=seq))
         block = block.to(device=device, dtype=dtype)
         x = torch.randn(max(1, tokens // seq), seq, width, device=device, dtype=dtype, requires_grad=True)
         once, flops, elements, params = block_terms(width, tokens, seq)
-        seconds.append(max(timed(lambda: (block(x).float().sum().backward(), sync()), 5) - flops / matmul,
-                           1e-6))
+        plain = timed(lambda: (block(x).float().sum().backward(), sync()), 5)
+        again = timed(lambda: (checkpoint(block, x, use_reentrant=True).float().sum().backward(), sync()), 5)
+        seconds.append(max(plain - flops / matmul, 1e-6))
         rows.append([once, elements, params])
+        shares.append(again / plain - 1)
     c = fit(rows, seconds)
     inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
-    return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1]}
+    return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1],
+            "recompute": max(statistics.median(shares), 0.0)}
 
 
 def adam_rate(device: str, fused: bool | None) -> float:

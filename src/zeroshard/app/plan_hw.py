@@ -64,7 +64,7 @@ def machine_key(precision: str, ranks: int) -> str:
 
 
 def calibration_path(precision: str, ranks: int) -> str:
-    return os.path.join(cache_dir(), f"calibration2-{machine_key(precision, ranks)}.json")
+    return os.path.join(cache_dir(), f"calibration3-{machine_key(precision, ranks)}.json")
 
 
 def calibrate(
@@ -112,6 +112,7 @@ def rates_of(figures: dict, cuda: bool, ranks: int = 1) -> Rates:
         elementwise=figures.get("elementwise", 0.0),
         weights=figures.get("weights", 0.0),
         device_adam=figures.get("device_adam", 0.0),
+        recompute=figures.get("recompute", 0.0),
         **measured,
     )
 

@@ -1,11 +1,13 @@
 """The planner's step-time model: one optimizer step of one rank, from a machine's rates.
 
 A step is `accumulation` micro-batches of forward and backward, then the optimizer step:
-- compute: matrix flops (6Ψ per token for forward and backward over the rank's MP slice, 8Ψ with
-  checkpointing's recomputed forward, plus attention's 12·s·d per token and layer, halved by the
-  causal mask) at the matrix rate; where calibrated, the activations' elementwise work, the
-  per-parameter work and each layer's dispatch cost at their fitted rates (else the saved
-  activations moved a few times at the device's memory rate);
+- compute: matrix flops (6Ψ per token for forward and backward over the rank's MP slice, plus
+  attention's 12·s·d per token and layer, halved by the causal mask) at the matrix rate; where
+  calibrated, the activations' elementwise work, the per-parameter work and each layer's dispatch
+  cost at their fitted rates (else the saved activations moved a few times at the device's memory
+  rate). Checkpointing makes each block's work (not the head's) larger by its recompute: the share
+  a checkpointed block measured on this machine adds (else a third: the forward's flops; on a CPU
+  in bf16 the backward's kernels are slower than the forward's, and the share is smaller);
 - communication: the paper's volumes per rank (2Ψ for stages 0-2: reduce-scatter and all-gather;
   3Ψ for stage 3, whose gathers repeat every micro-batch) in the compute dtype, at each
   collective's measured rate where calibrated (gloo), else each element crossing the link
@@ -57,6 +59,7 @@ class Rates:
     engine_fixed: float = 0.0  # the engine's own work per micro-batch, s (app/plan_verify.engine_reference)
     engine_per_param: float = 0.0  # ... and per step and parameter of the rank's model slice, s
     engine_token_scale: float = 0.0  # ... and the token work's share beyond the calibrated rates
+    recompute: float = 0.0  # what checkpointing adds to a block's forward and backward (0: a third)
 
 
 @dataclass(frozen=True)
@@ -82,29 +85,40 @@ def model_flops(shape: Shape, setup: Setup) -> float:
     return step_flops(shape, Setup(**{**setup.__dict__, "checkpointing": False}))
 
 
+def recompute_factor(s: Setup, rates: Rates) -> float:
+    """A checkpointed block's work over a plain one's: 1 + the recompute's measured share (a third,
+    the forward's flops, where not calibrated); 1 without checkpointing."""
+    return 1 + (rates.recompute or 1 / 3) if s.checkpointing else 1.0
+
+
 def token_time(shape: Shape, s: Setup, rates: Rates) -> float:
     """The work of one micro-batch that grows with its tokens, at the calibrated rates: matrix
     flops and, where calibrated, the activations' elementwise work (else the saved activations
-    moved a few times at the device's memory rate); with recompute, a third more."""
+    moved a few times at the device's memory rate); the blocks' share larger by the recompute
+    where checkpointing (the head is not checkpointed)."""
     tokens = s.micro_batch * s.seq
-    recompute = 4 / 3 if s.checkpointing else 1.0
+    plain = Setup(**{**s.__dict__, "checkpointing": False})
+    head_flops = 3 * 2 * tokens * shape.vocab * shape.width / s.mp  # the output projection's matmul
+    block_flops = step_flops(shape, plain) - head_flops
     if rates.elementwise:  # calibrated: the block's elements as the calibration counts them
         per_layer = tokens * (9 * shape.width + shape.mlp_wide * shape.ffn) / s.mp
-        elements = recompute * shape.layers * per_layer + 2 * tokens * shape.vocab / s.mp
-        elementwise = elements / rates.elementwise
+        blocks = block_flops / rates.matmul + shape.layers * per_layer / rates.elementwise
+        head = head_flops / rates.matmul + 2 * tokens * shape.vocab / s.mp / rates.elementwise
     else:
-        kept, _ = activations(shape, s)
-        elementwise = 6 * kept * recompute / rates.memory  # each saved byte written, read, its grad
-    return step_flops(shape, s) / rates.matmul + elementwise
+        kept, _ = activations(shape, plain)
+        # each saved byte written, read, and its gradient likewise
+        blocks = block_flops / rates.matmul + 6 * kept / rates.memory
+        head = head_flops / rates.matmul
+    return blocks * recompute_factor(s, rates) + head
 
 
 def compute_time(shape: Shape, s: Setup, rates: Rates) -> float:
     """Forward and backward of one micro-batch: the token work (scaled by what the engine's
     reference runs measured beyond it), the per-parameter work and each layer's dispatch cost
-    (with recompute: a third more of each), and the engine's own fixed work per micro-batch."""
-    recompute = 4 / 3 if s.checkpointing else 1.0
+    (a checkpointed block's larger by its recompute), and the engine's own fixed work per
+    micro-batch."""
     weights = shape.psi / s.mp / rates.weights if rates.weights else 0.0
-    dispatch = (shape.layers * recompute + 1) * rates.layer_fixed
+    dispatch = (shape.layers * recompute_factor(s, rates) + 1) * rates.layer_fixed
     tokens = token_time(shape, s, rates) * (1 + rates.engine_token_scale)
     return tokens + weights + dispatch + rates.engine_fixed
 
