@@ -261,7 +261,7 @@ def test_main_job_on_the_gpu(tmp_path):
     gpus = torch.cuda.device_count()
     out = _cli("train", "--device", "cuda", "--steps", "20", "--size", "tiny", "--precision", "bf16",
                "--out", str(tmp_path))
-    assert f"ZeRO stage 3, {gpus} ranks" in out and "sample:" in out
+    assert f"ZeRO stage 3, {gpus} rank{'s' * (gpus > 1)} on cuda (NCCL)" in out and "sample:" in out
 
 
 def test_compare_on_one_gpu(tmp_path):

@@ -195,8 +195,10 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
     split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
     pgk = bytes_per_param(engine.optimizer, args.precision)
+    where = "cuda (NCCL)" if engine.device.type == "cuda" else f"{engine.device.type} (gloo)"
+    rank_word = "rank" if world == 1 else "ranks"
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "
-          f"{world} ranks, {args.precision} {type(engine.optimizer).__name__} "
+          f"{world} {rank_word} on {where}, {args.precision} {type(engine.optimizer).__name__} "
           f"({'+'.join(map(str, pgk))} bytes/param)")
     for line in memory_table(per_rank, psi, args.stage, pgk, dp=world // args.tp):
         print(line)
