@@ -68,13 +68,14 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
                                   "train_micro_batch_size_per_gpu": 4}))
     common = ("--steps", "2", "--size", "tiny", "--config", str(config))
     out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
-    assert "ZeRO stage 1, 2 ranks, bf16 SGD (2+2+4 bytes/param)" in out, out  # K: the fp32 master alone
+    # K: the fp32 master alone
+    assert "ZeRO stage 1, 2 ranks on cpu (gloo), bf16 SGD (2+2+4 bytes/param)" in out, out
     rows = [line.split() for line in out.splitlines()
             if line.strip()[:1].isdigit() and len(line.split()) == 6]
     assert len(rows) == 2 and all(abs(float(row[4]) - float(row[5])) < 0.02 for row in rows), out
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
-    assert "ZeRO stage 2, 2 ranks, fp32 SGD" in out, out
+    assert "ZeRO stage 2, 2 ranks on cpu (gloo), fp32 SGD" in out, out
     # The same command again (no --resume): a new run, the earlier run's checkpoints kept aside.
     earlier = _train_losses(str(tmp_path / "a"))
     out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
