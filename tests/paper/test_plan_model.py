@@ -88,6 +88,19 @@ def test_the_calibration_measures_what_a_recompute_adds_to_a_block():
     assert rates_of(full, cuda=False).recompute == figures["recompute"]
 
 
+def test_on_a_cpu_stage_2_reuses_two_gradient_buffers_unless_something_is_allocated_between():
+    """Beyond stage 1's, stage 2 holds units' full-size gradients until their reduce-scatters: on a
+    CPU two in flight, glibc reusing a freed one for the next unit's, unless each unit's backward
+    allocates first (checkpointing's recompute): then every unit's stays a hole until the step."""
+    full = [p for p, _ in plan_memory.shards(SHAPE, 1, 2)]
+    gb = 2  # bf16 gradients
+    for checkpointing, held in ((False, 2 * max(full)), (True, sum(full))):
+        one, two = (peak(SHAPE, Setup(st, "bf16", checkpointing=checkpointing, micro_batch=2, seq=64), 2,
+                         "cpu") for st in (1, 2))
+        assert two.parts["transient"] - one.parts["transient"] == pytest.approx(gb * held)
+    assert 2 * max(full) < sum(full)  # (the two counts differ for this model)
+
+
 def test_the_reference_fit_solves_three_terms_and_drops_a_negative_one():
     """engine_reference's fit of the step residuals (fixed + per parameter + token scale): exact
     where the residuals follow the terms; a term whose coefficient comes out negative (noise) is
