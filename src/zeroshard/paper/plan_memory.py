@@ -341,18 +341,15 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     temp = 0.0
     if setup.stage == 3:  # the gathered unit and the one prefetched beside it; the root stays gathered
         temp += pb * (sh[0][0] + 2 * max((p for p, _ in sh[1:]), default=0))
-    # A unit's full-size gradient until its reduce-scatter is done (stages 2-3), and on a CPU group
-    # gloo's reduce-scatter, an all-to-all that receives a full-size buffer (comm/gloo.py, stages
-    # 1-3). The engine keeps at most two reductions in flight (core/reduce.py). On a CPU glibc
-    # reuses a freed gradient buffer for the next unit's only where nothing was allocated between:
-    # at stage 2 without checkpointing (two in flight). Where each unit's backward first allocates
-    # (stage 3's gather, checkpointing's recompute) every unit's are counted: the freed buffers stay
-    # holes in the heap until the step ends (core/heap.py), which the references' stage-0 runs, with
-    # none of these buffers, do not see. (Stage 2 against stage 1 at 2 x 64 tokens on the medium GPT:
-    # the same live peak, sampled with mallinfo2, and RSS 4 MiB lower.)
+    # A unit's full-size gradient until its reduce-scatter is done (stages 2-3; at most two in flight,
+    # core/reduce.py), and on a CPU group gloo's reduce-scatter, an all-to-all that receives a
+    # full-size buffer (comm/gloo.py, stages 1-3). On a CPU glibc reuses a freed gradient buffer for
+    # the next unit's where nothing is allocated between (stage 2 without checkpointing); where each
+    # unit's backward allocates first (stage 3's gather, a recompute) every unit's stays a hole in the
+    # heap until the step ends (core/heap.py), which the references' stage-0 runs do not see.
     if setup.stage >= 2:
         reused = device != "cpu" or (setup.stage == 2 and not setup.checkpointing)
-        in_flight = (1 if device != "cpu" else 2) * largest_padded
+        in_flight = largest_padded * (1 if device != "cpu" else 2)
         temp += gb * (in_flight if reused else sum(p for p, _ in sh))
     if setup.stage >= 1 and device == "cpu":
         temp += gb * sum(p for p, _ in sh)
@@ -382,20 +379,12 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
         grads_on_device = st.grads if setup.stage >= 2 and setup.accumulation == 1 else 0
         backward_start = st.device - grads_on_device + kept + secondary + freed
         on_device = max(backward_start, st.device + on_step)
-    host_extra = step if off_opt else 0
     rounding = pinned_rounding(shape, setup, nproc) if device != "cpu" else 0
-    host_extra += rounding
+    host_extra = (step if off_opt else 0) + rounding
     frag = FRAGMENTATION["cpu" if device == "cpu" else "cuda"] * on_device
-    parts = {
-        "model_states": st.model_states,
-        "activations": kept,
-        "secondary": secondary,
-        "transient": transient + temp,
-        "step": step,
-        "fragmentation": frag,
-        "transfer": st.transfer,
-        "pinned_rounding": rounding,
-    }
+    parts = {"model_states": st.model_states, "activations": kept, "secondary": secondary,
+             "transient": transient + temp, "step": step, "fragmentation": frag, "transfer": st.transfer,
+             "pinned_rounding": rounding}
     if device == "cpu":  # disk offload's buffers are plain memory here, resident only where used:
         # a step takes one per sub-group in turn, so fewer sub-groups than buffers leave some untouched
         if off_opt and setup.offload_optimizer == "nvme":
