@@ -104,10 +104,10 @@ def block_rates(dtype, device: str, sync) -> dict:
         x = torch.randn(max(1, tokens // seq), seq, width, device=device, dtype=dtype, requires_grad=True)
         once, flops, elements, params = block_terms(width, tokens, seq)
         plain = timed(lambda: (block(x).float().sum().backward(), sync()), 5)
-        again = timed(lambda: (checkpoint(block, x, use_reentrant=True).float().sum().backward(), sync()), 5)
+        rerun = timed(lambda: (checkpoint(block, x, use_reentrant=True).float().sum().backward(), sync()), 5)
         seconds.append(max(plain - flops / matmul, 1e-6))
         rows.append([once, elements, params])
-        shares.append(again / plain - 1)
+        shares.append(rerun / plain - 1)
     c = fit(rows, seconds)
     inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
     return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1],

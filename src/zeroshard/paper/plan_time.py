@@ -97,15 +97,14 @@ def token_time(shape: Shape, s: Setup, rates: Rates) -> float:
     moved a few times at the device's memory rate); the blocks' share larger by the recompute
     where checkpointing (the head is not checkpointed)."""
     tokens = s.micro_batch * s.seq
-    plain = Setup(**{**s.__dict__, "checkpointing": False})
     head_flops = 3 * 2 * tokens * shape.vocab * shape.width / s.mp  # the output projection's matmul
-    block_flops = step_flops(shape, plain) - head_flops
+    block_flops = model_flops(shape, s) - head_flops
     if rates.elementwise:  # calibrated: the block's elements as the calibration counts them
         per_layer = tokens * (9 * shape.width + shape.mlp_wide * shape.ffn) / s.mp
         blocks = block_flops / rates.matmul + shape.layers * per_layer / rates.elementwise
         head = head_flops / rates.matmul + 2 * tokens * shape.vocab / s.mp / rates.elementwise
     else:
-        kept, _ = activations(shape, plain)
+        kept, _ = activations(shape, replace(s, checkpointing=False))
         # each saved byte written, read, and its gradient likewise
         blocks = block_flops / rates.matmul + 6 * kept / rates.memory
         head = head_flops / rates.matmul
