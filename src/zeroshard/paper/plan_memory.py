@@ -347,10 +347,12 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     # the next unit's where nothing is allocated between (stage 2 without checkpointing); where each
     # unit's backward allocates first (stage 3's gather, a recompute) every unit's stays a hole in the
     # heap until the step ends (core/heap.py), which the references' stage-0 runs do not see.
-    if setup.stage >= 2:
-        reused = device != "cpu" or (setup.stage == 2 and not setup.checkpointing)
-        in_flight = largest_padded * (1 if device != "cpu" else 2)
-        temp += gb * (in_flight if reused else sum(p for p, _ in sh))
+    if setup.stage >= 2 and device != "cpu":
+        temp += gb * largest_padded
+    elif setup.stage == 2 and not setup.checkpointing:
+        temp += gb * 2 * largest_padded
+    elif setup.stage >= 2:
+        temp += gb * sum(p for p, _ in sh)
     if setup.stage >= 1 and device == "cpu":
         temp += gb * sum(p for p, _ in sh)
     if setup.stage >= 2 and setup.accumulation > 1:  # a reduction adding to the held fp32 shard

@@ -82,7 +82,7 @@ def step_flops(shape: Shape, setup: Setup) -> float:
 
 def model_flops(shape: Shape, setup: Setup) -> float:
     """The useful flops of one micro-batch (forward and backward, no recompute), for throughput."""
-    return step_flops(shape, Setup(**{**setup.__dict__, "checkpointing": False}))
+    return step_flops(shape, replace(setup, checkpointing=False))
 
 
 def recompute_factor(s: Setup, rates: Rates) -> float:
