@@ -10,7 +10,7 @@
   shapes several-fold; the fit holds within about 10% over the shapes measured. The same block
   checkpointed (reentrant, as the engine's ZeRO-R checkpoint is) gives the share its recompute
   adds: the median over the shapes. It is not the forward's third of the flops everywhere: on a
-  CPU in bf16 the backward's kernels are the slower ones, and a recompute adds 15-30%.
+  CPU in bf16 the backward's kernels are the slower ones, and a recompute adds less (docs/plan.md).
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
   CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
 - **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
