@@ -2,7 +2,10 @@
 at any world size, and peak memory near the shard size plus one unit."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
+import os
 
 import pytest
 import torch
@@ -238,3 +241,31 @@ def _peak_memory(rank: int, world_size: int) -> None:
 
 def test_partitioned_construction_peak_memory_is_shard_plus_one_unit():
     spawn(_peak_memory, 3)
+
+
+def _anonymous_resident() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
+
+
+def _resident_after_construction(rank: int, world_size: int) -> None:
+    if ctypes.util.find_library("c"):  # glibc: tensors this size from its heap, as mid-size ones are
+        # once it has raised its mmap threshold (the first frees of such sizes do)
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    layers = [nn.Linear(512, 512) for _ in range(2)]  # torch's first kernels' own memory, before
+    del layers
+    before = _anonymous_resident()
+    with zeroshard.init():
+        model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(32)))
+    grown = _anonymous_resident() - before
+    model_bytes = 4 * sum(p.numel() for p in model.parameters())
+    print(f"\nconstructing a {model_bytes / 2**20:.1f} MiB model under init(): resident memory "
+          f"grew {grown / 2**20:.2f} MiB")
+    assert grown < model_bytes / 8, (grown, model_bytes)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_partitioned_construction_leaves_no_model_sized_memory_resident():
+    """Each random init runs once on a real scratch tensor (to advance the generator): a freed
+    scratch must not stay in the process as heap holes, which would add up to the model's size."""
+    spawn(_resident_after_construction, 1)

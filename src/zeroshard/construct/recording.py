@@ -13,6 +13,7 @@ An op that reads a value (`.item()`, `bool(t)`) materializes its inputs and runs
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -157,8 +158,7 @@ class Recording(TorchDispatchMode):
         generator = kwargs.get("generator") or default_generator(device)
         state = generator.get_state()
         overwritten = args[0] if func.overloadpacket.__name__ in _OVERWRITING_RANDOM else None
-        scratch = lambda a: (torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.deferred_device)
-                             if a is overwritten else self.materialize([a])[0])
+        scratch = lambda a: _scratch(a) if a is overwritten else self.materialize([a])[0]
         real = lambda x: scratch(x) if isinstance(x, DeferredTensor) else x
         real_kwargs = {k: (device if k == "device" else real(v)) for k, v in kwargs.items()}
         if "device" not in kwargs and not any(isinstance(a, torch.Tensor) for a in tree_flatten(args)[0]):
@@ -219,6 +219,20 @@ class Recording(TorchDispatchMode):
                 fixed = torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=ref.device)
                 result = fixed.copy_(result)  # rare: the real kernel chose another layout than meta's
             storages[ref.key] = result.untyped_storage()
+
+
+def _scratch(like: DeferredTensor) -> torch.Tensor:
+    """A real tensor of `like`'s layout, to be overwritten by a random op and dropped. On a CPU it
+    is an anonymous mapping of its own, unmapped when the tensor is dropped: glibc would keep a freed
+    scratch in its heap, where the generator state saved just before it pins it, and a model's
+    construction would leave about the model's whole size resident as holes."""
+    shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.deferred_device
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    nbytes = span * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the mapping alive
+    return flat.view(dtype).as_strided(shape, stride)
 
 
 def _aliases_deferred(func, args: tuple) -> bool:
