@@ -32,8 +32,11 @@ def init(device: torch.device | str | None = None) -> Iterator[Recording]:
     where = torch.device(device) if device is not None else nullcontext()
     with where:
         recording = Recording(torch.get_default_device())
-        with recording:
-            yield recording
+        try:
+            with recording:
+                yield recording
+        finally:
+            recording.release_scratch()
 
 
 def is_deferred(t: object) -> bool:

@@ -61,6 +61,7 @@ class Recording(TorchDispatchMode):
         self.device = device
         self.ops: list[_Op] = []
         self._alive: list[torch.UntypedStorage] = []  # keeps storage identities from being reused
+        self._scratch_memory: mmap.mmap | None = None  # (see scratch())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -158,7 +159,7 @@ class Recording(TorchDispatchMode):
         generator = kwargs.get("generator") or default_generator(device)
         state = generator.get_state()
         overwritten = args[0] if func.overloadpacket.__name__ in _OVERWRITING_RANDOM else None
-        scratch = lambda a: _scratch(a) if a is overwritten else self.materialize([a])[0]
+        scratch = lambda a: self.scratch(a) if a is overwritten else self.materialize([a])[0]
         real = lambda x: scratch(x) if isinstance(x, DeferredTensor) else x
         real_kwargs = {k: (device if k == "device" else real(v)) for k, v in kwargs.items()}
         if "device" not in kwargs and not any(isinstance(a, torch.Tensor) for a in tree_flatten(args)[0]):
@@ -166,6 +167,26 @@ class Recording(TorchDispatchMode):
         with torch.no_grad():
             func(*tree_map(real, args), **real_kwargs)
         return generator, state
+
+    def scratch(self, like: DeferredTensor) -> torch.Tensor:
+        """A real tensor of `like`'s layout, for a random op to overwrite (its values are never read).
+        On a CPU it lies in one anonymous mapping, reused by every random op of the recording and
+        unmapped by release_scratch() (init()'s end): from malloc, each freed scratch stayed in
+        glibc's heap, pinned by the generator state saved just before it, and a construction left
+        about the model's size resident as holes; a mapping per op would fault its pages in afresh."""
+        shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.deferred_device
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        nbytes = span * dtype.itemsize
+        if device.type != "cpu" or nbytes == 0:
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        if self._scratch_memory is None or len(self._scratch_memory) < nbytes:
+            self._scratch_memory = mmap.mmap(-1, nbytes)  # the smaller one is unmapped once unused
+        flat = torch.frombuffer(self._scratch_memory, dtype=torch.uint8, count=nbytes)
+        return flat.view(dtype).as_strided(shape, stride)
+
+    def release_scratch(self) -> None:
+        """Unmap the random ops' scratch (once the last tensor over it is gone)."""
+        self._scratch_memory = None
 
     # ---- replay ---------------------------------------------------------------------------------
     def _materialized(self, tree: Any) -> Any:
@@ -219,20 +240,6 @@ class Recording(TorchDispatchMode):
                 fixed = torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=ref.device)
                 result = fixed.copy_(result)  # rare: the real kernel chose another layout than meta's
             storages[ref.key] = result.untyped_storage()
-
-
-def _scratch(like: DeferredTensor) -> torch.Tensor:
-    """A real tensor of `like`'s layout, to be overwritten by a random op and dropped. On a CPU it
-    is an anonymous mapping of its own, unmapped when the tensor is dropped: glibc would keep a freed
-    scratch in its heap, where the generator state saved just before it pins it, and a model's
-    construction would leave about the model's whole size resident as holes."""
-    shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.deferred_device
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-    nbytes = span * dtype.itemsize
-    if device.type != "cpu" or nbytes == 0:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the mapping alive
-    return flat.view(dtype).as_strided(shape, stride)
 
 
 def _aliases_deferred(func, args: tuple) -> bool:
