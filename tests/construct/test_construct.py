@@ -46,6 +46,12 @@ class InitZoo(nn.Module):
         self.register_buffer("rates", torch.tensor(rates))
         self.register_buffer("mask", torch.ones(4, 4).tril())
         self.freqs = torch.randn(5)
+        generator = torch.Generator().manual_seed(1)  # random factories (run into the scratch), any form
+        self.pos = nn.Parameter(torch.randn(6, 4, dtype=torch.float64) * 0.02)
+        self.u = nn.Parameter(torch.rand(3, 5, generator=generator))
+        self.g = nn.Parameter(torch.normal(0.0, 2.0, (2, 3)))
+        self.register_buffer("ids", torch.randint(3, 9, (5,), generator=generator))
+        self.register_buffer("order", torch.randperm(7))
         self.apply(self._reinit)  # parent-level re-init, after the children's own
 
     @staticmethod
@@ -249,18 +255,21 @@ def _anonymous_resident() -> int:
 
 
 def _resident_after_construction(rank: int, world_size: int) -> None:
-    if ctypes.util.find_library("c"):  # glibc: tensors this size from its heap, as mid-size ones are
-        # once it has raised its mmap threshold (the first frees of such sizes do)
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    mallopt = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt", None)
+    if mallopt is not None:  # glibc: tensors this size from its heap, as mid-size ones are once it
+        mallopt(-3, 4 << 20)  # has raised its mmap threshold (the first frees do); -3: M_MMAP_THRESHOLD
     layers = [nn.Linear(512, 512) for _ in range(2)]  # torch's first kernels' own memory, before
     del layers
     before = _anonymous_resident()
+    factory = rank == 1  # initialized in place (nn.Linear) on rank 0, by a random factory on rank 1
     with zeroshard.init():
-        model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(32)))
+        layer = lambda: nn.Parameter(torch.randn(512, 512) * 0.02) if factory else nn.Linear(512, 512)
+        model = nn.ParameterList(layer() for _ in range(32)) if factory else \
+            nn.Sequential(*(layer() for _ in range(32)))
     grown = _anonymous_resident() - before
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
-    print(f"\nconstructing a {model_bytes / 2**20:.1f} MiB model under init(): resident memory "
-          f"grew {grown / 2**20:.2f} MiB")
+    print(f"\nconstructing a {model_bytes / 2**20:.1f} MiB model under init() "
+          f"({'torch.randn' if factory else 'nn.Linear'}): resident memory grew {grown / 2**20:.2f} MiB")
     assert grown < model_bytes / 8, (grown, model_bytes)
 
 
@@ -268,4 +277,4 @@ def _resident_after_construction(rank: int, world_size: int) -> None:
 def test_partitioned_construction_leaves_no_model_sized_memory_resident():
     """Each random init runs once on a real scratch tensor (to advance the generator): a freed
     scratch must not stay in the process as heap holes, which would add up to the model's size."""
-    spawn(_resident_after_construction, 1)
+    spawn(_resident_after_construction, 2)

@@ -159,22 +159,42 @@ class Recording(TorchDispatchMode):
         generator = kwargs.get("generator") or default_generator(device)
         state = generator.get_state()
         overwritten = args[0] if func.overloadpacket.__name__ in _OVERWRITING_RANDOM else None
-        scratch = lambda a: self.scratch(a) if a is overwritten else self.materialize([a])[0]
+        scratch = lambda a: self.scratch(a.shape, a.stride(), a.dtype, a.deferred_device) \
+            if a is overwritten else self.materialize([a])[0]
         real = lambda x: scratch(x) if isinstance(x, DeferredTensor) else x
-        real_kwargs = {k: (device if k == "device" else real(v)) for k, v in kwargs.items()}
-        if "device" not in kwargs and not any(isinstance(a, torch.Tensor) for a in tree_flatten(args)[0]):
-            real_kwargs["device"] = device
+        factory = not any(isinstance(a, torch.Tensor) for a in tree_flatten((args, kwargs))[0])
         with torch.no_grad():
-            func(*tree_map(real, args), **real_kwargs)
+            into_scratch = factory and device.type == "cpu"
+            if not (into_scratch and self._factory_into_scratch(func, args, kwargs, device)):
+                real_kwargs = {k: (device if k == "device" else real(v)) for k, v in kwargs.items()}
+                if factory:
+                    real_kwargs["device"] = device
+                func(*tree_map(real, args), **real_kwargs)
         return generator, state
 
-    def scratch(self, like: DeferredTensor) -> torch.Tensor:
-        """A real tensor of `like`'s layout, for a random op to overwrite (its values are never read).
+    def _factory_into_scratch(self, func, args: tuple, kwargs: dict, device: torch.device) -> bool:
+        """A random factory (torch.randn(...)) run as its out= form into the scratch: the same
+        kernel on the same layout, so the generator advances alike, and no allocation of its own.
+        False, having run nothing, where it has no out= form or its layout is not found on meta."""
+        out_form = _out_overload(func)
+        try:
+            with meta_kernels():
+                layout = func(*args, **{**kwargs, "device": torch.device("meta")})
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        if out_form is None or not isinstance(layout, torch.Tensor):
+            return False
+        out = self.scratch(layout.shape, layout.stride(), layout.dtype, device)
+        out_form(*args, **{k: v for k, v in kwargs.items() if k not in _FACTORY_ONLY}, out=out)
+        return True
+
+    def scratch(self, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """A real tensor of this layout, for a random op to overwrite (its values are never read).
         On a CPU it lies in one anonymous mapping, reused by every random op of the recording and
         unmapped by release_scratch() (init()'s end): from malloc, each freed scratch stayed in
         glibc's heap, pinned by the generator state saved just before it, and a construction left
         about the model's size resident as holes; a mapping per op would fault its pages in afresh."""
-        shape, stride, dtype, device = like.shape, like.stride(), like.dtype, like.deferred_device
         span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
         nbytes = span * dtype.itemsize
         if device.type != "cpu" or nbytes == 0:
@@ -240,6 +260,16 @@ class Recording(TorchDispatchMode):
                 fixed = torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=ref.device)
                 result = fixed.copy_(result)  # rare: the real kernel chose another layout than meta's
             storages[ref.key] = result.untyped_storage()
+
+
+_FACTORY_ONLY = ("dtype", "layout", "device", "pin_memory", "requires_grad", "memory_format")
+
+
+def _out_overload(func) -> Any:
+    """A factory overload's out= form (randn.default: randn.out, randn.generator:
+    randn.generator_out), or None."""
+    name = func._overloadname
+    return getattr(func.overloadpacket, "out" if name == "default" else f"{name}_out", None)
 
 
 def _aliases_deferred(func, args: tuple) -> bool:
