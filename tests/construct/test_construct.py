@@ -16,6 +16,7 @@ import zeroshard
 from helpers.spawn import spawn
 from helpers.models import TinyGPT, batches, loss_fn
 from zeroshard.construct.tensor import DeferredValueError
+from zeroshard.core.heap import status_bytes
 from zeroshard.app.gpt import GPT, GPTConfig
 
 
@@ -249,24 +250,19 @@ def test_partitioned_construction_peak_memory_is_shard_plus_one_unit():
     spawn(_peak_memory, 3)
 
 
-def _anonymous_resident() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon"))
-
-
 def _resident_after_construction(rank: int, world_size: int) -> None:
     mallopt = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt", None)
     if mallopt is not None:  # glibc: tensors this size from its heap, as mid-size ones are once it
         mallopt(-3, 4 << 20)  # has raised its mmap threshold (the first frees do); -3: M_MMAP_THRESHOLD
     layers = [nn.Linear(512, 512) for _ in range(2)]  # torch's first kernels' own memory, before
     del layers
-    before = _anonymous_resident()
+    before = status_bytes("RssAnon")
     factory = rank == 1  # initialized in place (nn.Linear) on rank 0, by a random factory on rank 1
     with zeroshard.init():
         layer = lambda: nn.Parameter(torch.randn(512, 512) * 0.02) if factory else nn.Linear(512, 512)
         model = nn.ParameterList(layer() for _ in range(32)) if factory else \
             nn.Sequential(*(layer() for _ in range(32)))
-    grown = _anonymous_resident() - before
+    grown = status_bytes("RssAnon") - before
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
     print(f"\nconstructing a {model_bytes / 2**20:.1f} MiB model under init() "
           f"({'torch.randn' if factory else 'nn.Linear'}): resident memory grew {grown / 2**20:.2f} MiB")

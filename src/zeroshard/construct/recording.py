@@ -177,12 +177,14 @@ class Recording(TorchDispatchMode):
         kernel on the same layout, so the generator advances alike, and no allocation of its own.
         False, having run nothing, where it has no out= form or its layout is not found on meta."""
         out_form = _out_overload(func)
+        if out_form is None:
+            return False
         try:
             with meta_kernels():
                 layout = func(*args, **{**kwargs, "device": torch.device("meta")})
         except (RuntimeError, TypeError, NotImplementedError):
             return False
-        if out_form is None or not isinstance(layout, torch.Tensor):
+        if not isinstance(layout, torch.Tensor):
             return False
         out = self.scratch(layout.shape, layout.stride(), layout.dtype, device)
         out_form(*args, **{k: v for k, v in kwargs.items() if k not in _FACTORY_ONLY}, out=out)
