@@ -259,6 +259,39 @@ def test_offload_uses_the_fused_cpu_kernel():
     spawn(_fused, 1)
 
 
+def _pins(rank: int, world_size: int) -> None:
+    """With pin_memory, the master is pinned only where it is itself copied up (fp32 training, or
+    casts on the device, and no shard resting on the host); a 16-bit update goes up through its
+    staging buffer, so pinning the master would buy nothing and cost the pinned allocator's
+    rounding. (On a CPU nothing is pinned: this reads what the engine asks for.)"""
+    from zeroshard.offload.host import Copier
+
+    asked: list[bool] = []
+    new_master = Copier.new_master
+
+    def record(self, values, pin):
+        asked.append(pin)
+        return new_master(self, values, pin)
+
+    Copier.new_master = record
+    try:
+        cases = {("bf16", "host", False): False, ("fp32", "host", False): True,
+                 ("bf16", "device", False): True, ("fp32", "host", True): False}
+        for (precision, casts, params), pinned in cases.items():
+            asked.clear()
+            config = _merge({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                             "bf16": {"enabled": precision == "bf16"},
+                             "zeroshard": {"offload_casts": casts}}, OPTIMIZER, PARAMS if params else {})
+            zeroshard.initialize(TinyGPT(), lambda p: torch.optim.AdamW(p, lr=1e-3), config)
+            assert asked and set(asked) == {pinned}, (precision, casts, params, asked)
+    finally:
+        Copier.new_master = new_master
+
+
+def test_a_master_is_pinned_only_where_it_is_copied_up():
+    spawn(_pins, 1)
+
+
 def test_a_failed_delayed_update_is_raised_at_the_step_not_in_backward():
     """The worker's error waits for a call that may raise on every rank alike (step, checkpoint):
     raising inside a backward hook on one rank would leave its peers in their collectives. The

@@ -124,7 +124,12 @@ class FlatParam(FlatGrad):
         self._allocate_grads()
         updated = self.shard if self.policy.shard_optimizer else self.full
         if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
-            self.master = self.copier.new_master(owned_source, p.pin_memory)  # host memory, or a file
+            # pin_memory pins the master only where it is itself copied up (HostCopies: fp32 goes up
+            # and no shard rests on the host). Elsewhere nothing copies it: pinning would buy no speed
+            # and cost host bytes, as the pinned allocator rounds each block up to a power of two.
+            fp32_up = p.param_dtype == torch.float32 or self.copier.casts_on_device
+            goes_up = fp32_up and not self.shard_on_host
+            self.master = self.copier.new_master(owned_source, p.pin_memory and goes_up)  # host, or a file
             self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype,
                                    None if self.shard_on_host else p.param_dtype, self.master)
         elif p.separate_master:
