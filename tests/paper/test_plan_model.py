@@ -173,6 +173,35 @@ def test_across_nodes_mics_and_hpz_are_weighed_and_written_as_configs_that_load(
         assert on == ((True, False) if p is mics else (False, True))
 
 
+def test_a_written_config_pins_both_offloads_as_the_cli_does():
+    """--write (and so --verify) pins both offloads, as `zeroshard train --offload-*` does; the
+    engine then pins the master only where it goes up itself (tests/parity/test_offload.py), as
+    pinned_rounding counts it."""
+    from types import SimpleNamespace
+
+    import zeroshard
+    from zeroshard.app.plan_report import config_of
+    from zeroshard.app.train import TrainArgs
+
+    setup = Setup(3, "bf16", "cpu", "cpu", micro_batch=1, seq=16)
+    zero = zeroshard.Config.load(config_of(SimpleNamespace(setup=setup), 2, None)).zero
+    assert zero.offload_pin_memory and zero.offload_param_pin_memory
+    raw = TrainArgs(offload_optimizer="cpu", offload_param="cpu").engine_config()["zero_optimization"]
+    assert raw["offload_optimizer"]["pin_memory"] and raw["offload_param"]["pin_memory"]
+
+
+def test_a_gpus_measured_fixed_bytes_join_every_device_peak():
+    """Hardware.device_runtime_bytes (engine_reference's device residual on a GPU: the math
+    libraries' workspaces) adds to each configuration's device peak, and is named in its parts."""
+    from zeroshard.paper.plan import Hardware, weigh
+
+    hw = Hardware(nodes=1, per_node=1, device_bytes=8e9, host_bytes=64e9, disk_bytes=0.0, rates=RATES)
+    s = Setup(3, "bf16", micro_batch=1, seq=64)
+    plain, more = weigh(SHAPE, s, hw), weigh(SHAPE, s, replace(hw, device_runtime_bytes=5e7))
+    assert more.peak.device - plain.peak.device == pytest.approx(5e7) and more.peak.host == plain.peak.host
+    assert more.peak.parts["device_runtime"] == 5e7 and "device_runtime" not in plain.peak.parts
+
+
 def test_a_gpu_peak_holds_no_gradient_at_backwards_start_at_stage_3():
     """On a GPU (its allocator reuses what it frees) the peak is the larger of two moments:
     backward's start (every activation; at stages 2-3 with one micro-batch no gradient yet) and
@@ -191,15 +220,19 @@ def test_a_gpu_peak_holds_no_gradient_at_backwards_start_at_stage_3():
     assert cpu.host >= states(SHAPE, one, 1).device + kept + cpu.parts["transient"]
 
 
-def test_pinned_transfer_buffers_count_at_the_next_power_of_two():
+def test_pinned_host_buffers_count_at_the_next_power_of_two():
     """torch's pinned-memory allocator rounds each block up to a power of two: a flat buffer of
     1000 and one of 3000 bf16 elements, each with a gradient and a staging buffer (2000 -> 2048,
-    6000 -> 8192 bytes) waste 2 x (48 + 2192) bytes; no staging with parameter offload, none at all
-    without optimizer offload or on a CPU (no pinning there)."""
+    6000 -> 8192 bytes) waste 2 x (48 + 2192) bytes. With parameter offload no staging, but the
+    shard at rest is pinned (the same sizes); in fp32 the master goes up itself, pinned, beside the
+    gradient buffer (4000 -> 4096, 12000 -> 16384). Nothing pinned without offload or on a CPU."""
     shape = replace(SHAPE, units=(1000, 3000))
     offload = Setup(3, "bf16", "cpu", micro_batch=1, seq=16)
     assert pinned_rounding(shape, offload, 1) == 2 * (48 + 2192)
-    assert pinned_rounding(shape, replace(offload, offload_param="cpu"), 1) == 48 + 2192
+    assert pinned_rounding(shape, replace(offload, offload_param="cpu"), 1) == 2 * (48 + 2192)
+    assert pinned_rounding(shape, replace(offload, offload_optimizer="none", offload_param="cpu"), 1) == \
+        48 + 2192
+    assert pinned_rounding(shape, replace(offload, precision="fp32"), 1) == 2 * (96 + 4384)
     assert pinned_rounding(shape, replace(offload, offload_optimizer="none"), 1) == 0
     gpu, cpu = peak(shape, offload, 1, "cuda"), peak(shape, offload, 1, "cpu")
     assert gpu.parts["pinned_rounding"] == 2 * (48 + 2192) and cpu.parts["pinned_rounding"] == 0

@@ -109,8 +109,9 @@ def config_of(p, global_batch: int, nvme_path: str | None) -> dict:
     s = p.setup
     zero: dict = {"stage": s.stage}
     for key, where in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_param)):
-        if where != "none":
-            zero[key] = {"device": where, **({"nvme_path": nvme_path} if where == "nvme" else {})}
+        if where != "none":  # pinned, as `zeroshard train --offload-*` pins (and pinned_rounding counts)
+            zero[key] = {"device": where, "pin_memory": True,
+                         **({"nvme_path": nvme_path} if where == "nvme" else {})}
     config = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": s.micro_batch,

@@ -50,11 +50,8 @@ def _args(cli, p: Plan, hw, out: str, config: str):
         batch_size=s.micro_batch,
         seq_len=s.seq,
         precision=s.precision,
-        config=config,
+        config=config,  # (its offload sections as --write writes them, pin_memory included)
         tp=s.mp,
-        offload_optimizer=s.offload_optimizer if s.stage >= 1 else None,
-        offload_param=s.offload_param if s.stage == 3 else None,
-        nvme_path=cli.nvme_path if "nvme" in (s.offload_optimizer, s.offload_param) else None,
         activation_checkpointing=s.checkpointing,
         partition_activations=s.checkpointing and s.mp > 1,
     )
@@ -104,7 +101,9 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
       token beyond a block timed alone (the 256-token run tells it apart). The reference runs
       take one micro-batch per step, so they cannot tell a micro-batch's share from the step's:
       the fixed part is counted per micro-batch, the per-parameter part once per step.
-    On a GPU the tiny and medium runs alone, for the memory: there the growth is the host's.
+    On a GPU the tiny and medium runs alone, for the memory: there the growth is the host's, and
+    the device's peak beyond its prediction (the same in both: the math libraries' workspaces,
+    taken at the first kernels) is the device's fixed part.
     Measured once per machine, precision and rank count (cached, and again when the rates are
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
@@ -133,15 +132,18 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
         p = weigh(ref, setup, hw)
         points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
                        optimizer_step_s(result["step_s_each"], 1) - p.time.total,
-                       token_time(ref, setup, hw.rates)))
-    predicted, grown, psis, residuals, token_work = zip(*points)
+                       token_time(ref, setup, hw.rates),
+                       float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"])))
+    predicted, grown, psis, residuals, token_work, device_residuals = zip(*points)
     # memory from the two smaller runs: the large one's stage-0 step leaves glibc's heap holes of its
     # own (about a sub-group's temporaries, counted in the prediction) that would tilt the line
     fixed, per_byte = line(predicted[:2], [g - p for p, g in zip(predicted[:2], grown[:2])])
     terms = [[1.0, psi, t] for psi, t in zip(psis, token_work)]
     step_fixed, per_param, token_scale = least_squares(terms, residuals) if not gpu else (0.0, 0.0, 0.0)
+    # a GPU's own fixed bytes (the math libraries' workspaces) are the same in both runs: their mean
+    device_fixed = max(0.0, statistics.mean(device_residuals)) if gpu else 0.0
     found = {"fixed": fixed, "per_byte": per_byte, "step_fixed": step_fixed, "step_per_param": per_param,
-             "token_scale": token_scale, "references": points}
+             "token_scale": token_scale, "device_fixed": device_fixed, "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(found, f)
@@ -183,11 +185,12 @@ def with_engine(hw, precision: str, again: bool = False):
     """This machine's Hardware with what engine_reference measured: the runtime's bytes, and on a
     CPU the engine's own step costs in its rates. On a GPU the runtime's bytes are the host's (the
     CUDA libraries loaded at the first kernels, the corpus; the tiny and medium runs' host growth,
-    as their stage-0 prediction holds nothing on the host), and the engine's work hides under the
-    device's queue."""
+    as their stage-0 prediction holds nothing on the host) and the device's fixed part, and the
+    engine's work hides under the device's queue."""
     found = engine_reference(hw, precision, again)
     if hw.device != "cpu":
-        return replace(hw, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
+        return replace(hw, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"],
+                       device_runtime_bytes=found.get("device_fixed", 0.0))
     rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"],
                     engine_token_scale=found["token_scale"])
     return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])

@@ -48,6 +48,9 @@ class Hardware:
     # engine_reference): a fixed part, and a share of the predicted peak (freed memory kept)
     runtime_bytes: float = 0.0
     runtime_per_byte: float = 0.0
+    # on a GPU, what the device holds beyond the model's bytes (measured likewise): the math
+    # libraries' workspaces, taken through the caching allocator at the first kernels
+    device_runtime_bytes: float = 0.0
 
     @property
     def ranks(self) -> int:
@@ -138,6 +141,9 @@ def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:
     if hw.runtime_bytes or hw.runtime_per_byte:
         runtime = hw.runtime_bytes + hw.runtime_per_byte * p.host
         p = replace(p, host=p.host + runtime, parts={**p.parts, "runtime": runtime})
+    if hw.device_runtime_bytes:
+        on_device = hw.device_runtime_bytes
+        p = replace(p, device=p.device + on_device, parts={**p.parts, "device_runtime": on_device})
     t = step_time(shape, setup, hw.ranks, hw.rates)
     tokens = setup.micro_batch * setup.accumulation * setup.seq * hw.ranks / setup.mp
     return Plan(setup, p, t, misfit(p, hw), tokens / t.total)

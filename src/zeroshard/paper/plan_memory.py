@@ -269,16 +269,29 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
     return States(params, grads, optimizer, transfer, device, host, disk)
 
 
+def master_pinned(precision: str, offload_param: str) -> bool:
+    """Whether a pinned optimizer offload pins the fp32 master (core/flat_param.py): only where the
+    update goes up as the master itself (fp32, no parameter shard written on the host). Otherwise
+    nothing copies it, and pinning it would only cost host memory (the rounding below)."""
+    return BYTES_PER_PARAM[precision][0] == 4 and offload_param == "none"
+
+
 def pinned_rounding(shape: Shape, setup: Setup, nproc: int) -> int:
-    """Host bytes that pinned memory takes beyond the offload's transfer buffers (a GPU's): torch's
-    caching host allocator rounds every pinned block up to a power of two, and each flat buffer has
-    its own gradient buffer (and, where the update goes up in 16 bits, staging buffer)."""
+    """Host bytes that pinned memory takes beyond its tensors (a GPU's): torch's caching host
+    allocator rounds every pinned block up to a power of two. Pinned, per flat buffer: optimizer
+    offload's gradient buffer and (where the update goes up in 16 bits) staging buffer, the master
+    where master_pinned says so, and parameter offload's shard at rest (copied up at every use). A
+    plan's config pins both offloads, as `zeroshard train --offload-*` does."""
     s = setup
-    if s.offload_optimizer != "cpu" or s.stage < 1:
-        return 0
+    per_element: list[int] = []  # bytes per shard element of each pinned buffer of a flat buffer
+    if s.offload_optimizer == "cpu" and s.stage >= 1:
+        per_element += [b for b in _transfer_buffers(s) if b]
+        per_element += [4] if master_pinned(s.precision, s.offload_param) else []
+    if s.offload_param == "cpu" and s.stage == 3:
+        per_element.append(BYTES_PER_PARAM[s.precision][0])
     waste = 0
     for _, shard in shards(shape, s.mp, s.shard_degree(nproc)):
-        for size in (shard * per_element for per_element in _transfer_buffers(s)):
+        for size in (shard * b for b in per_element):
             waste += (1 << (size - 1).bit_length()) - size if size else 0
     return waste
 
