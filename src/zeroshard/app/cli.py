@@ -35,7 +35,7 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool)
                    help="fp32, or mixed precision with fp32 master weights (default: the config's "
                         "bf16/fp16 section, else fp32)")
     p.add_argument("--lr", type=float, help="learning rate, also over a resumed optimizer's (default: the "
-                                            "config's optimizer section, else AdamW at 3e-3; refused beside "
+                                            "config's optimizer section, else AdamW at 1e-3; refused beside "
                                             "a scheduler section)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (every nn.ModuleList entry) before training")
