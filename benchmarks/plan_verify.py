@@ -27,8 +27,8 @@ import tempfile
 from zeroshard.app.plan_hw import calibrate, local_hardware
 from zeroshard.app.plan_verify import verify, with_engine
 from zeroshard.paper.plan import plan, weigh
-from zeroshard.paper.plan_memory import Setup, gpt2_shape
-from zeroshard.paper.plan_shapes import shape_from_hf
+from zeroshard.paper.plan_memory import Setup
+from zeroshard.paper.plan_shapes import gpt2_shape, shape_from_hf
 
 SEQ, MIB = 64, 2**20
 GPT2 = {"model_type": "gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 512, "n_positions": 256,

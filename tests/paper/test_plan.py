@@ -19,7 +19,8 @@ from helpers import ROOT
 from helpers.cli import zeroshard_here
 from helpers.spawn import spawn
 from zeroshard.paper.plan import paper_projection
-from zeroshard.paper.plan_memory import Setup, gpt2_shape, shards, states
+from zeroshard.paper.plan_memory import Setup, shards, states
+from zeroshard.paper.plan_shapes import gpt2_shape
 
 MODES = [
     (0, "none", "none"),

@@ -13,8 +13,8 @@ import pytest
 from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
 from zeroshard.app.plan_verify import line, optimizer_step_s
 from zeroshard.paper import plan_memory
-from zeroshard.paper.plan_memory import (Setup, activations, disk_sub_groups, gpt2_shape, peak,
-                                         pinned_rounding, states)
+from zeroshard.paper.plan_memory import Setup, activations, disk_sub_groups, peak, pinned_rounding, states
+from zeroshard.paper.plan_shapes import gpt2_shape
 from zeroshard.paper.plan_time import Rates, collective_time, compute_time, step_time, token_time
 
 RATES = Rates(matmul=1e11, memory=1e10, host_adam=1e9, host_link=0.0, collective=1e9, mp_collective=1e9,

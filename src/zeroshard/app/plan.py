@@ -82,7 +82,7 @@ def _positive(parser, args, names: list[str]) -> None:
 
 def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int):
     """The model as the planner sees it, from exactly one of --hf-config, --model, --params."""
-    from zeroshard.paper.plan_memory import gpt2_shape
+    from zeroshard.paper.plan_shapes import gpt2_shape
 
     given = [
         n

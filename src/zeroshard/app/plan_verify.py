@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import replace
 
 from zeroshard.paper.plan import Plan
-from zeroshard.paper.plan_memory import Shape
+from zeroshard.paper.plan_shapes import Shape
 
 
 def _quiet_run(hw, out: str, **fields):
@@ -107,7 +107,8 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     Measured once per machine, precision and rank count (cached, and again when the rates are
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
-    from zeroshard.paper.plan_memory import Setup, gpt2_shape
+    from zeroshard.paper.plan_memory import Setup
+    from zeroshard.paper.plan_shapes import gpt2_shape
     from zeroshard.paper.plan_time import token_time
     from .gpt import config_for
     from .plan_calibrate import least_squares
@@ -161,14 +162,14 @@ def line(xs, ys) -> tuple[float, float]:
 
 
 def _model_version() -> str:
-    """A hash of the planner's model (its memory and time modules, and this one's fit): the
+    """A hash of the planner's model (its shape, memory and time modules, and this one's fit): the
     reference runs' residuals are against its predictions, so a changed model measures them again."""
     import hashlib
 
-    from zeroshard.paper import plan_memory, plan_time
+    from zeroshard.paper import plan_memory, plan_shapes, plan_time
 
     digest = hashlib.sha256()
-    for path in (plan_memory.__file__, plan_time.__file__, __file__):
+    for path in (plan_memory.__file__, plan_shapes.__file__, plan_time.__file__, __file__):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .estimate import GIB
-from .plan_memory import Peak, Setup, Shape, gpt2_shape, peak
+from .plan_memory import Peak, Setup, peak
+from .plan_shapes import Shape, gpt2_shape
 from .plan_time import Rates, StepTime, model_flops, step_time
 
 TIE = 0.02  # step times this close (relative) rank as equal: the model's error is larger

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .estimate import gpt2_params, llama_params
 from .formulas import BYTES_PER_PARAM
+from .plan_shapes import Shape
 from .zero_r import ACTIVATION_BYTES
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq: fp32 each
@@ -29,101 +29,6 @@ NVME_BUFFER_COUNT = 4  # offload_optimizer.buffer_count's default
 MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu's default (elements)
 ALIGN = 64  # disk offload's stream aligns each tensor's view to 64 bytes
 FRAGMENTATION = {"cuda": 0.05, "cpu": 0.0}  # of the device's peak: the caching allocator's rounding
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the planner needs of a decoder-only transformer. `units` holds the elements of each flat
-    buffer the engine builds (root first, then one per block); `positions` are learned position
-    embeddings (GPT-2 family; 0 with rotary positions)."""
-
-    name: str
-    family: str  # "gpt2" or "llama"
-    layers: int
-    width: int
-    heads: int
-    vocab: int
-    ffn: int
-    positions: int
-    psi: int
-    units: tuple[int, ...]
-    tied: bool = True  # the output head shares the token embedding
-    # What a block saves beyond the family's plain block (a Hugging Face model's code; measured with
-    # saved-tensor hooks, tests/paper/test_plan_model.py): MLP-wide tensors saved per token (0: the
-    # family's: 2 for GELU, 3 for SwiGLU; GPT-2's "gelu_new", a formula of torch ops, saves 4);
-    # norms that compute in fp32 and save that copy (HF's RMSNorm); dropout on the residual stream
-    # (its output saved, 2 a block and the embeddings'); dropout on attention probabilities (torch's
-    # math attention then keeps the scores, six fp32 copies of heads x s^2 per sequence and block,
-    # instead of flash attention's q, k and v).
-    mlp_saved: int = 0
-    norm_fp32: bool = False
-    dropout: bool = False
-    attention_dropout: bool = False
-
-    @property
-    def mlp_wide(self) -> int:
-        """MLP-wide (ffn) tensors a block saves per token."""
-        return self.mlp_saved or (3 if self.family == "llama" else 2)
-
-
-def gpt2_shape(
-    name: str,
-    layers: int,
-    width: int,
-    heads: int,
-    vocab: int,
-    positions: int,
-    ffn: int | None = None,
-    tied: bool = True,
-    psi: int | None = None,
-) -> Shape:
-    """A GPT-2-style decoder (the built-in GPT is one: vocab 256, positions = its sequence length)."""
-    ffn = ffn or 4 * width
-    block = gpt2_params(1, width, 0, 0, ffn) - 2 * width  # (less the final LayerNorm)
-    total = gpt2_params(layers, width, vocab, positions, ffn, tied) if psi is None else psi
-    return Shape(
-        name,
-        "gpt2",
-        layers,
-        width,
-        heads,
-        vocab,
-        ffn,
-        positions,
-        total,
-        (total - layers * block,) + (block,) * layers,
-        tied,
-    )
-
-
-def llama_shape(
-    name: str,
-    layers: int,
-    width: int,
-    heads: int,
-    vocab: int,
-    ffn: int,
-    kv_heads: int | None = None,
-    head_dim: int | None = None,
-    tied: bool = False,
-    psi: int | None = None,
-) -> Shape:
-    """A LLaMA-style decoder (rotary positions, RMSNorm, SwiGLU, grouped-query attention)."""
-    block = llama_params(1, width, 0, ffn, heads, kv_heads, head_dim, True) - width
-    total = llama_params(layers, width, vocab, ffn, heads, kv_heads, head_dim, tied) if psi is None else psi
-    return Shape(
-        name,
-        "llama",
-        layers,
-        width,
-        heads,
-        vocab,
-        ffn,
-        0,
-        total,
-        (total - layers * block,) + (block,) * layers,
-        tied,
-    )
 
 
 @dataclass(frozen=True)

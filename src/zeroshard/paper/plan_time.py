@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .formulas import BYTES_PER_PARAM
-from .plan_memory import Setup, Shape, activations, shards
+from .plan_memory import Setup, activations, shards
+from .plan_shapes import Shape
 
 
 @dataclass(frozen=True)
