@@ -225,7 +225,8 @@ def test_pinned_host_buffers_count_at_the_next_power_of_two():
     1000 and one of 3000 bf16 elements, each with a gradient and a staging buffer (2000 -> 2048,
     6000 -> 8192 bytes) waste 2 x (48 + 2192) bytes. With parameter offload no staging, but the
     shard at rest is pinned (the same sizes); in fp32 the master goes up itself, pinned, beside the
-    gradient buffer (4000 -> 4096, 12000 -> 16384). Nothing pinned without offload or on a CPU."""
+    gradient buffer (4000 -> 4096, 12000 -> 16384); nvme adds its streaming buffers. Nothing pinned
+    without offload or on a CPU."""
     shape = replace(SHAPE, units=(1000, 3000))
     offload = Setup(3, "bf16", "cpu", micro_batch=1, seq=16)
     assert pinned_rounding(shape, offload, 1) == 2 * (48 + 2192)
@@ -234,6 +235,10 @@ def test_pinned_host_buffers_count_at_the_next_power_of_two():
         48 + 2192
     assert pinned_rounding(shape, replace(offload, precision="fp32"), 1) == 2 * (96 + 4384)
     assert pinned_rounding(shape, replace(offload, offload_optimizer="none"), 1) == 0
+    # nvme: the same gradient and staging buffers, and 4 streaming buffers of the one sub-group's
+    # files (3 x (4032 + 12032) bytes, 64-aligned: 48192 -> 65536)
+    assert pinned_rounding(shape, replace(offload, offload_optimizer="nvme"), 1) == \
+        2 * (48 + 2192) + 4 * (65536 - 48192)
     gpu, cpu = peak(shape, offload, 1, "cuda"), peak(shape, offload, 1, "cpu")
     assert gpu.parts["pinned_rounding"] == 2 * (48 + 2192) and cpu.parts["pinned_rounding"] == 0
 

@@ -162,14 +162,14 @@ def line(xs, ys) -> tuple[float, float]:
 
 
 def _model_version() -> str:
-    """A hash of the planner's model (its shape, memory and time modules, and this one's fit): the
+    """A hash of the planner's model (its weighing, shape, memory and time modules, and this one's fit): the
     reference runs' residuals are against its predictions, so a changed model measures them again."""
     import hashlib
 
-    from zeroshard.paper import plan_memory, plan_shapes, plan_time
+    from zeroshard.paper import plan, plan_memory, plan_shapes, plan_time
 
     digest = hashlib.sha256()
-    for path in (plan_memory.__file__, plan_shapes.__file__, plan_time.__file__, __file__):
+    for path in (plan.__file__, plan_memory.__file__, plan_shapes.__file__, plan_time.__file__, __file__):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]

@@ -10,8 +10,10 @@ Design notes.
   receives the reduced gradient shard, `staging` holds the compute-dtype copy of the updated master
   on its way up. On CUDA they are always pinned: only a copy from pinned memory is asynchronous, and
   a pageable one is staged by the driver through a bounce buffer of its own at a fraction of the
-  speed. (`pin_memory` pins what is never copied directly, the master; for offloaded parameter
-  shards, which are, it matters.) Per step, only the sub-group's fp32 gradient temporaries are
+  speed. `pin_memory` pins the offloaded parameter shards, which are copied up at every use, and
+  the master only where it is itself copied up (fp32 going up, no shard resting on the host):
+  elsewhere nothing copies it, and the pinned allocator's power-of-two rounding would cost host
+  memory for nothing (FlatParam._init_trainable). Per step, only the sub-group's fp32 gradient temporaries are
   allocated.
 - Copies run on one side stream, so a gradient's way down overlaps the rest of backward and a
   shard's way up overlaps the next sub-group's update. Each copy records an event, and each reader

@@ -181,23 +181,29 @@ def master_pinned(precision: str, offload_param: str) -> bool:
     return BYTES_PER_PARAM[precision][0] == 4 and offload_param == "none"
 
 
+def _rounding(size: int) -> int:
+    """What torch's caching host allocator adds to a pinned block: it rounds up to a power of two."""
+    return (1 << (size - 1).bit_length()) - size if size else 0
+
+
 def pinned_rounding(shape: Shape, setup: Setup, nproc: int) -> int:
-    """Host bytes that pinned memory takes beyond its tensors (a GPU's): torch's caching host
-    allocator rounds every pinned block up to a power of two. Pinned, per flat buffer: optimizer
-    offload's gradient buffer and (where the update goes up in 16 bits) staging buffer, the master
-    where master_pinned says so, and parameter offload's shard at rest (copied up at every use). A
-    plan's config pins both offloads, as `zeroshard train --offload-*` does."""
-    s = setup
+    """Host bytes that pinned memory takes beyond its tensors (a GPU's), as each pinned block is
+    rounded up to a power of two. Pinned, per flat buffer: optimizer offload's gradient buffer and
+    (where the update goes up in 16 bits) staging buffer, the master where master_pinned says so,
+    and cpu parameter offload's shard at rest (copied up at every use); with nvme optimizer offload
+    also its streaming buffers. A plan's config pins both offloads, as `zeroshard train
+    --offload-*` does. (nvme parameter offload's host cache is not counted here.)"""
+    s, dp = setup, setup.shard_degree(nproc)
     per_element: list[int] = []  # bytes per shard element of each pinned buffer of a flat buffer
-    if s.offload_optimizer == "cpu" and s.stage >= 1:
+    if s.offload_optimizer != "none" and s.stage >= 1:
         per_element += [b for b in _transfer_buffers(s) if b]
-        per_element += [4] if master_pinned(s.precision, s.offload_param) else []
+        on_host = s.offload_optimizer == "cpu"  # (an nvme master is a file)
+        per_element += [4] if on_host and master_pinned(s.precision, s.offload_param) else []
     if s.offload_param == "cpu" and s.stage == 3:
         per_element.append(BYTES_PER_PARAM[s.precision][0])
-    waste = 0
-    for _, shard in shards(shape, s.mp, s.shard_degree(nproc)):
-        for size in (shard * b for b in per_element):
-            waste += (1 << (size - 1).bit_length()) - size if size else 0
+    waste = sum(_rounding(shard * b) for _, shard in shards(shape, s.mp, dp) for b in per_element)
+    if s.offload_optimizer == "nvme" and s.stage >= 1:
+        waste += NVME_BUFFER_COUNT * _rounding(disk_sub_groups(shape, s, dp)[1])
     return waste
 
 
