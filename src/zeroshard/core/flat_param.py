@@ -26,7 +26,7 @@ from ..comm import buckets, quantized
 from ..comm.buckets import Pending, complete
 from ..comm.collectives import Comm
 from ..common.states import move
-from ..offload.host import Copier, HostCopies
+from ..offload.host import Copier, HostCopies, master_goes_up
 from ..parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
 from .flat_grad import FlatGrad
 from .partition import Slot, build_layout
@@ -124,14 +124,12 @@ class FlatParam(FlatGrad):
         self._allocate_grads()
         updated = self.shard if self.policy.shard_optimizer else self.full
         if p.offload:  # fp32 copy of the original values (not of their rounded compute copy)
-            # pin_memory pins the master only where it is itself copied up (HostCopies: fp32 goes up
-            # and no shard rests on the host). Elsewhere nothing copies it: pinning would buy no speed
-            # and cost host bytes, as the pinned allocator rounds each block up to a power of two.
-            fp32_up = p.param_dtype == torch.float32 or self.copier.casts_on_device
-            goes_up = fp32_up and not self.shard_on_host
-            self.master = self.copier.new_master(owned_source, p.pin_memory and goes_up)  # host, or a file
-            self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype,
-                                   None if self.shard_on_host else p.param_dtype, self.master)
+            # pin_memory pins the master only where it is itself copied up: elsewhere nothing copies
+            # it, and pinning would cost host bytes (the pinned allocator rounds up to a power of two)
+            up_dtype = None if self.shard_on_host else p.param_dtype  # None: written on the host
+            pin = p.pin_memory and master_goes_up(up_dtype, self.copier.casts_on_device)
+            self.master = self.copier.new_master(owned_source, pin)  # host memory, or a file
+            self.host = HostCopies(self.copier, self.master.numel(), self.grad_dtype, up_dtype, self.master)
         elif p.separate_master:
             self.master = owned_source.to(torch.float32, copy=True)
         else:

@@ -11,10 +11,9 @@ Design notes.
   on its way up. On CUDA they are always pinned: only a copy from pinned memory is asynchronous, and
   a pageable one is staged by the driver through a bounce buffer of its own at a fraction of the
   speed. `pin_memory` pins the offloaded parameter shards, which are copied up at every use, and
-  the master only where it is itself copied up (fp32 going up, no shard resting on the host):
-  elsewhere nothing copies it, and the pinned allocator's power-of-two rounding would cost host
-  memory for nothing (FlatParam._init_trainable). Per step, only the sub-group's fp32 gradient temporaries are
-  allocated.
+  the master only where it is itself copied up (`master_goes_up`): elsewhere nothing copies it,
+  and the pinned allocator's power-of-two rounding would cost host memory for nothing. Per step,
+  only the sub-group's fp32 gradient temporaries are allocated.
 - Copies run on one side stream, so a gradient's way down overlaps the rest of backward and a
   shard's way up overlaps the next sub-group's update. Each copy records an event, and each reader
   waits for its own copy only: the host before it reads `grad`, the compute stream before the
@@ -41,6 +40,13 @@ from typing import Any, Callable
 import torch
 
 from ..common.states import move
+
+def master_goes_up(param_dtype: torch.dtype | None, casts_on_device: bool) -> bool:
+    """Does the updated fp32 master go up to the device as itself (HostCopies, no `staging`)? Where
+    the shard is the device's (param_dtype None: it rests on the host, written there) and what goes
+    up is fp32: an fp32 model, or casts on the device."""
+    return param_dtype is not None and (param_dtype == torch.float32 or casts_on_device)
+
 
 def host_empty(device: torch.device, numel: int, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
     """A host tensor, pinned if asked and there is a GPU (`device`) to copy to (pinning speeds only that)."""
@@ -208,9 +214,10 @@ class HostCopies:
         asynchronous): no `staging`, no host pass to fill it, 4 bytes an element less."""
         self.copier = copier
         own = not copier.one_memory
+        goes_up = master_goes_up(param_dtype, copier.casts_on_device)
         if copier.casts_on_device:
             grad_dtype, param_dtype = torch.float32, (None if param_dtype is None else torch.float32)
-        self.master = master if own and param_dtype == torch.float32 and master is not None and \
+        self.master = master if own and goes_up and master is not None and \
             not copier.on_disk(master) and (master.is_pinned() or copier.stream is None) else None
         self.grad: torch.Tensor | None = copier.host_empty(numel, grad_dtype) if own else None
         self.staging = copier.host_empty(numel, param_dtype) \
