@@ -41,8 +41,8 @@ for name in ${PARTS:-plan_verify pytest_cuda offload}; do
         --json "$out/plan_verify.json" ;;
     default_run) part default_run 120 bash -c "cd $run_dir && $py -m zeroshard train --nproc 1" ;;
     pytest_cuda) part pytest_cuda 360 "$py" -m pytest -q -p no:cacheprovider -m cuda --durations=8 tests ;;
-    offload) part offload 150 "$py" benchmarks/offload.py --rounds 1 --warmup 2 --steps 4 \
-        --impls zeroshard_3_offload fsdp2_offload zeroshard_3_offload_sequential
+    offload) part offload 180 "$py" benchmarks/offload.py --rounds 1 --warmup 2 --steps 4 \
+        --impls zeroshard_3_offload fsdp2_offload zeroshard_3_offload_params zeroshard_3_offload_sequential
         cp benchmarks/out/offload.md benchmarks/out/offload.json "$out/" 2>/dev/null ;;
     *) echo "unknown part $name (plan_verify, default_run, pytest_cuda, offload)" ;;
     esac
