@@ -41,6 +41,7 @@ import torch
 
 from ..common.states import move
 
+
 def master_goes_up(param_dtype: torch.dtype | None, casts_on_device: bool) -> bool:
     """Does the updated fp32 master go up to the device as itself (HostCopies, no `staging`)? Where
     the shard is the device's (param_dtype None: it rests on the host, written there) and what goes

@@ -175,9 +175,11 @@ def states(shape: Shape, setup: Setup, nproc: int, one_memory: bool = True) -> S
 
 
 def master_pinned(precision: str, offload_param: str) -> bool:
-    """Whether a pinned optimizer offload pins the fp32 master (core/flat_param.py): only where the
-    update goes up as the master itself (fp32, no parameter shard written on the host). Otherwise
-    nothing copies it, and pinning it would only cost host memory (the rounding below)."""
+    """Whether a pinned optimizer offload pins the fp32 master: only where the update goes up as
+    the master itself (fp32, no parameter shard written on the host). Otherwise nothing copies it,
+    and pinning it would only cost host memory (the rounding below). The engine's own rule is
+    offload.host.master_goes_up, on torch dtypes; this one is on the plan's names and, as a plan
+    never sets `offload_casts`, leaves casts on the device out."""
     return BYTES_PER_PARAM[precision][0] == 4 and offload_param == "none"
 
 
