@@ -1,11 +1,18 @@
-"""The engine giving malloc's free pages back after an optimizer step that raised the peak, on a CPU
-(zeroshard.release_host_memory, core/heap.py), measured side by side: a rank's peak RSS above its
-baseline and the median optimizer step, released and kept, in alternating runs of the same
-configuration (gloo ranks here, through `zeroshard plan --verify`'s path). Kept, glibc's heap holes
-stack up over the steps; released, the peak settles sooner and lower, for the page faults of the
-steps after a release.
+"""A CPU rank's heap, measured side by side: the engine giving malloc's free pages back after an
+optimizer step that raised the peak (zeroshard.release_host_memory, core/heap.py; a CPU's default)
+against keeping them, and against the same release with glibc's mmap threshold fixed (the
+MALLOC_MMAP_THRESHOLD_ tunable, set for the ranks only). Each: a rank's peak RSS above its baseline
+and the median optimizer step, in rotated runs of the same configuration (gloo ranks here, through
+`zeroshard plan --verify`'s path).
 
-    python benchmarks/host_memory.py --steps 12 --rounds 2     # 5 configurations, ~7 min on 2 cores
+Why the third: glibc serves a large request from mmap (unmapped again when freed) until the first
+such buffer is freed; then it raises its threshold to that buffer's size (up to 32 MiB), and every
+buffer below it comes from the heap, where what is freed in a step leaves holes. Kept, the holes
+stack up over the steps; released, they are handed back after each step that raised the peak, but
+the holes within a step remain and the peak can still creep. A fixed threshold keeps buffers above
+it out of the heap, for the page faults of mapping them afresh each time.
+
+    python benchmarks/host_memory.py --steps 12 --rounds 2     # 5 configurations, ~11 min on 2 cores
 """
 from __future__ import annotations
 
@@ -23,11 +30,15 @@ from zeroshard.app.train import launch
 from zeroshard.paper.plan_memory import Setup
 
 PICKED = (0, 3, 9, 12, 13)  # plan_verify.py: medium stages 0 and 3, large stage 3 + checkpoints, LLaMA
+THRESHOLD = 1 << 20  # bytes: buffers from 1 MiB up always mapped (glibc's own default starts at 128 KiB)
+# setting: (release_host_memory, glibc's mmap threshold or None for its dynamic default)
+SETTINGS = {"released": (True, None), "kept": (False, None), "threshold": (True, THRESHOLD)}
 
 
-def run(case: tuple, release: bool, nproc: int, steps: int, folder: str) -> tuple[float, float]:
+def run(case: tuple, setting: str, nproc: int, steps: int, folder: str) -> tuple[float, float]:
     """(peak RSS growth in bytes, median optimizer step in s) of one run of a plan_verify case."""
     model, stage, precision, opt, par, ckpt, micro, acc = case
+    release, threshold = SETTINGS[setting]
     _, cli = shape_and_cli(model, folder, folder, steps)
     plan = SimpleNamespace(setup=Setup(stage, precision, opt, par, ckpt, 1, micro, acc, SEQ))
     raw = config_of(plan, micro * acc * nproc, folder)
@@ -37,7 +48,12 @@ def run(case: tuple, release: bool, nproc: int, steps: int, folder: str) -> tupl
     with open(config, "w") as f:
         json.dump(raw, f)
     here = SimpleNamespace(device="cpu", ranks=nproc)
-    result = launch(_args(cli, plan, here, folder, config), measured_worker)
+    if threshold is not None:  # read by each rank's C library as it starts; this process's is set
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    try:
+        result = launch(_args(cli, plan, here, folder, config), measured_worker)
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     return float(result["rss_growth"]), optimizer_step_s(result["step_s_each"], acc)
 
 
@@ -48,24 +64,28 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
     parser.add_argument("--cases", type=int, nargs="*", default=PICKED, help="plan_verify.py cases (indices)")
     args = parser.parse_args()
-    print("| model | configuration | peak released | kept | ratio | step released | kept | ratio |\n"
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        parser.error("MALLOC_MMAP_THRESHOLD_ is set: unset it, the runs set it themselves where compared")
+    names = list(SETTINGS)
+    print("| model | configuration | peak released | kept | threshold | step released | kept | threshold |\n"
           "|---|---|---|---|---|---|---|---|")
     ratios = []
     for index in args.cases:
         case = CASES[index]
-        got: dict[bool, list] = {True: [], False: []}
+        got: dict[str, list] = {name: [] for name in names}
         for r in range(args.rounds):
-            for release in (True, False) if r % 2 == 0 else (False, True):  # each goes first in turn
+            for name in names[r % 3:] + names[:r % 3]:  # each goes first in turn
                 with tempfile.TemporaryDirectory() as folder:
-                    got[release].append(run(case, release, args.nproc, args.steps, folder))
-        (peak_on, step_on), (peak_off, step_off) = (
-            [statistics.median(x) for x in zip(*got[flag])] for flag in (True, False))
-        ratios.append((peak_on / peak_off, step_on / step_off))
-        name = Setup(*case[1:6], 1, *case[6:8], SEQ).name
-        print(f"| {case[0]} | {name} | {peak_on / MIB:.1f} | {peak_off / MIB:.1f} | {peak_on / peak_off:.2f} "
-              f"| {step_on:.3f} | {step_off:.3f} | {step_on / step_off:.2f} |", flush=True)
-    peak, step = (statistics.median(r[i] for r in ratios) for i in (0, 1))
-    print(f"\nreleased / kept, median over the configurations: peak {peak:.2f}, step {step:.2f}")
+                    got[name].append(run(case, name, args.nproc, args.steps, folder))
+        peak, step = ({n: statistics.median(x[i] for x in got[n]) for n in names} for i in (0, 1))
+        ratios.append([peak[n] / peak["released"] for n in names[1:]]
+                      + [step[n] / step["released"] for n in names[1:]])
+        label = Setup(*case[1:6], 1, *case[6:8], SEQ).name
+        print(f"| {case[0]} | {label} | " + " | ".join(f"{peak[n] / MIB:.1f}" for n in names) + " | "
+              + " | ".join(f"{step[n]:.3f}" for n in names) + " |", flush=True)
+    med = [statistics.median(r[i] for r in ratios) for i in range(4)]
+    print(f"\nover released, median over the configurations: kept peak {med[0]:.2f}, step {med[2]:.2f}; "
+          f"threshold peak {med[1]:.2f}, step {med[3]:.2f}")
 
 
 if __name__ == "__main__":
