@@ -84,25 +84,28 @@ def shape_and_cli(model: str, folder: str, nvme: str, steps: int, seq: int = SEQ
     return shape, cli
 
 
-MEASURED: set[tuple[str, int]] = set()  # (precision, ranks) calibrated in this run
+MEASURED: set[tuple] = set()  # calibrated (precision, ranks) and referenced (precision, ranks, model) here
 
 
-def this_machine(precision: str, nproc: int, folder: str):
-    """This machine's Hardware as `zeroshard plan` sees it: calibrated (afresh the first time in a
-    run, with the engine's reference runs: a shared machine's rates drift, and a run compares its
-    predictions with what it measures now), with the engine's reference."""
+def this_machine(precision: str, nproc: int, folder: str, model: str = "medium"):
+    """This machine's Hardware as `zeroshard plan` sees it for `model`: calibrated (afresh the first
+    time in a run, with the engine's reference runs, in the model's own family for a Hugging Face
+    one: a shared machine's rates drift, and a run compares its predictions with what it measures
+    now), with the engine's reference."""
     import torch
 
+    family = HF.get(model)
     again = (precision, nproc) not in MEASURED
-    MEASURED.add((precision, nproc))
+    referenced_again = again or (precision, nproc, model) not in MEASURED
+    MEASURED.update({(precision, nproc), (precision, nproc, model)})
     figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available(), again)
-    return with_engine(local_hardware(nproc, figures, folder)[0], precision, again)
+    return with_engine(local_hardware(nproc, figures, folder)[0], precision, referenced_again, family)
 
 
 def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -> dict:
     model, stage, precision, opt, par, ckpt, micro, acc = case
     shape, cli = shape_and_cli(model, folder, folder, steps, seq)
-    hw = this_machine(precision, nproc, folder)
+    hw = this_machine(precision, nproc, folder, model)
     setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, seq)
     plan = weigh(shape, setup, hw)
     result = verify(cli, shape, hw, [plan], micro * acc * nproc)[0]

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
-from zeroshard.app.plan_verify import line, optimizer_step_s
+from zeroshard.app.plan_verify import REFERENCES, line, memory_terms, optimizer_step_s, reference_config
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import Setup, activations, disk_sub_groups, peak, pinned_rounding, states
 from zeroshard.paper.plan_shapes import gpt2_shape
@@ -137,6 +137,63 @@ def test_the_reference_line_fits_three_points_and_never_goes_negative():
     assert line([1.0, 2.0, 4.0], [3.0, 5.0, 9.0]) == pytest.approx((1.0, 2.0))
     assert line([1.0, 2.0, 3.0], [0.3, 0.2, 0.1]) == pytest.approx((0.2, 0.0))
     assert line([1.0, 2.0, 3.0], [1.0, 3.0, 5.0]) == pytest.approx((0.0, 2.0))
+
+
+def test_the_runtimes_bytes_per_token_come_from_the_two_medium_references():
+    """engine_reference's memory terms: the fixed part and the share per byte from the two smaller
+    runs, the share per token from what the medium run of 4 x 64 tokens grew beyond their line (the
+    medium run of 16 differs from it in its tokens alone), counted from 16 tokens; exact where the
+    residuals follow the terms. None below 0, and none on a GPU."""
+    fixed, per_byte, per_token = 2e7, 0.05, 5e4
+    tokens = [seq * batch for _, seq, batch in REFERENCES]
+    predicted = [3e6, 1.1e8, 5.6e8, 1.3e8]
+    grown = [p + fixed + per_byte * p + per_token * (t - 16) for p, t in zip(predicted, tokens)]
+    found = memory_terms(predicted, grown, gpu=False)
+    assert found == pytest.approx((fixed - per_token * 16, per_byte, per_token))
+    # weigh's runtime at the references' 16 tokens is the line's; at 256 it is the medium run's residual
+    at = [found[0] + found[1] * p + found[2] * t for p, t in zip(predicted, tokens)]
+    assert at[1] == pytest.approx(grown[1] - predicted[1]) and at[3] == pytest.approx(grown[3] - predicted[3])
+    fewer = grown[:3] + [predicted[3] + fixed + per_byte * predicted[3] - 1e6]  # grew less: no share
+    assert memory_terms(predicted, fewer, gpu=False) == pytest.approx((fixed, per_byte, 0.0))
+    assert memory_terms(predicted, grown, gpu=True)[2] == 0.0
+
+
+def test_a_micro_batchs_tokens_join_the_runtimes_bytes_on_the_host():
+    from zeroshard.paper.plan import Hardware, weigh
+
+    hw = Hardware(nodes=1, per_node=2, device_bytes=8e9, host_bytes=64e9, disk_bytes=0.0, rates=RATES,
+                  device="cpu", runtime_bytes=1e7)
+    s = Setup(1, "fp32", micro_batch=4, seq=64)
+    plain, more = weigh(SHAPE, s, hw), weigh(SHAPE, s, replace(hw, runtime_per_token=1e4))
+    assert more.peak.host - plain.peak.host == pytest.approx(1e4 * 4 * 64)
+    assert more.peak.parts["runtime"] == pytest.approx(1e7 + 1e4 * 256)
+
+
+@pytest.mark.parametrize("family", [
+    {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": 3072, "vocab_size": 50257,
+     "n_positions": 1024},
+    {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
+     "num_key_value_heads": 4, "intermediate_size": 5632, "head_dim": 64, "vocab_size": 32000,
+     "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+])
+def test_a_reference_in_the_models_family_has_a_built_in_sizes_shape(family):
+    """reference_config: the family's architecture (its other keys kept) at a built-in size's layers,
+    width and heads, its MLP and key/value heads in the family's proportions, over bytes."""
+    from zeroshard.app.sizes import SIZES
+    from zeroshard.paper.plan_shapes import shape_from_hf
+
+    for size, (layers, width, heads) in SIZES.items():
+        config = reference_config(family, size)
+        shape = shape_from_hf(config, size)
+        assert (shape.layers, shape.width, shape.heads, shape.vocab) == (layers, width, heads, 256)
+        assert {k: v for k, v in config.items() if k in ("model_type", "rms_norm_eps")} == \
+            {k: v for k, v in family.items() if k in ("model_type", "rms_norm_eps")}
+        inner = config.get("n_inner") or config["intermediate_size"]
+        assert inner == round((family.get("n_inner") or family["intermediate_size"]) * width / family.get(
+            "n_embd", family.get("hidden_size")))
+        if "num_key_value_heads" in family:
+            kv = config["num_key_value_heads"]
+            assert heads % kv == 0 and heads // kv <= 32 // 4 and "head_dim" not in config
 
 
 def test_disk_buffers_are_resident_on_a_cpu_only_where_sub_groups_use_them(monkeypatch):

@@ -207,6 +207,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
     return local
 
 
+def _hf_family(args: argparse.Namespace) -> dict | None:
+    """The Hugging Face config.json the plan is for (shape_of has read it), else None: the engine's
+    reference runs are then of its family."""
+    if not args.hf_config:
+        return None
+    from zeroshard.paper.estimate import hf_config_file
+
+    with open(hf_config_file(args.hf_config), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from zeroshard.paper.plan import plan, smallest_change
     from .plan_report import config_of, paper_text, plan_json, table
@@ -224,7 +235,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if local:  # (after the input is checked: the reference runs take seconds the first time)
         from .plan_verify import with_engine
 
-        hw = with_engine(hw, args.precision, args.recalibrate)
+        hw = with_engine(hw, args.precision, args.recalibrate, _hf_family(args))
     batch = args.global_batch or 8 * hw.ranks
     mps = [args.mp] if args.mp else ([1] if hw.device == "cpu" else None)
     plans = plan(shape, hw, batch, args.seq_len, args.precision, mps)

@@ -57,10 +57,38 @@ def _args(cli, p: Plan, hw, out: str, config: str):
     )
 
 
-def _reference_args(hw, size: str, seq: int, batch: int, precision: str, out: str):
-    """A reference run (engine_reference): a built-in size, stage 0, a few steps."""
-    return _quiet_run(hw, out, size=size, stage=0, steps=8, batch_size=batch, seq_len=seq,
+def _reference_args(hw, size: str, seq: int, batch: int, precision: str, out: str, hf: str | None = None):
+    """A reference run (engine_reference): a built-in size (or `hf`, a config.json), stage 0, a few steps."""
+    return _quiet_run(hw, out, size=size, hf_config=hf, stage=0, steps=8, batch_size=batch, seq_len=seq,
                       precision=precision)
+
+
+def reference_config(family: dict, size: str) -> dict:
+    """A Hugging Face config of `family`'s architecture in a built-in size's shape (its layers,
+    width and heads; the MLP's width and the key/value heads in the family's proportions) over
+    bytes: a reference run in the model's own family. Its ops, not its size, are what differs
+    from the built-in GPT's: a Hugging Face block's many small tensors (norms in fp32, rotary
+    tables, a gated MLP) leave glibc's heap more holes per byte than the GPT's (docs/plan.md)."""
+    from .sizes import SIZES
+
+    layers, width, heads = SIZES[size]
+    gpt2 = "n_embd" in family or family.get("model_type") == "gpt2"
+    names = (("n_layer", "n_embd", "n_head") if gpt2 else
+             ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    was_width, was_heads = family[names[1]], family[names[2]]
+    config = {**family, **dict(zip(names, (layers, width, heads))), "vocab_size": 256}
+    config.pop("head_dim", None)  # (width / heads, as the built-in GPT's)
+    for key in ("n_inner", "intermediate_size"):
+        if config.get(key):
+            config[key] = max(1, round(family[key] * width / was_width))
+    if family.get("num_key_value_heads"):  # the same heads per key/value head, where they divide
+        per_kv = max(1, was_heads // family["num_key_value_heads"])
+        most = max(1, heads // per_kv)
+        config["num_key_value_heads"] = max(k for k in range(1, most + 1) if heads % k == 0)
+    for key in ("n_positions", "max_position_embeddings"):
+        if key in config:
+            config[key] = max(config[key], max(seq for _, seq, _ in REFERENCES))
+    return config
 
 
 def measured_worker(args) -> dict:
@@ -86,10 +114,11 @@ def measured_worker(args) -> dict:
 REFERENCES = (("tiny", 16, 1), ("medium", 16, 1), ("large", 16, 1), ("medium", 64, 4))
 
 
-def engine_reference(hw, precision: str, again: bool = False) -> dict:
+def engine_reference(hw, precision: str, again: bool = False, family: dict | None = None) -> dict:
     """What a CPU rank costs beyond the model's own bytes and arithmetic, from four reference runs
     (the tiny, medium and large built-in GPT, stage 0, one sequence of 16, and the medium one with
-    four sequences of 64; the plan's precision):
+    four sequences of 64; the plan's precision; for a Hugging Face model, `family` its config.json,
+    the same sizes in its own architecture: reference_config):
     - memory, through the tiny and medium runs: measured growth = fixed + (1 + per_byte) x
       predicted peak: the runtime's fixed bytes (the corpus, the libraries' workspaces, less what
       the process had already peaked at before its baseline) and the allocator's overhead per
@@ -108,14 +137,15 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
     from zeroshard.paper.plan import weigh
     from zeroshard.paper.plan_memory import Setup
-    from zeroshard.paper.plan_shapes import gpt2_shape
+    from zeroshard.paper.plan_shapes import gpt2_shape, shape_from_hf
     from zeroshard.paper.plan_time import token_time
     from .gpt import config_for
     from .plan_calibrate import least_squares
     from .plan_hw import cache_dir, calibration_path, machine_key
     from .train import launch
 
-    path = os.path.join(cache_dir(), f"engine2-{machine_key(precision, hw.ranks)}-{_model_version()}.json")
+    name = f"engine2-{machine_key(precision, hw.ranks)}-{_model_version()}{_family_key(family)}.json"
+    path = os.path.join(cache_dir(), name)
     # the residuals are against the calibrated rates: rates measured since make them stale
     rates = calibration_path(precision, hw.ranks)
     if os.path.isfile(path) and not again and not (
@@ -126,9 +156,16 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
     gpu = hw.device != "cpu"
     for size, seq, batch in REFERENCES[:2] if gpu else REFERENCES:  # (a GPU's need memory alone)
         with tempfile.TemporaryDirectory() as out:
-            result = launch(_reference_args(hw, size, seq, batch, precision, out), measured_worker)
-        cfg = config_for(size, None, None, seq)
-        ref = gpt2_shape(size, cfg.layers, cfg.width, cfg.heads, cfg.vocab_size, cfg.seq_len)
+            hf = None
+            if family is not None:
+                hf = os.path.join(out, "config.json")
+                with open(hf, "w") as f:
+                    json.dump(reference_config(family, size), f)
+                ref = shape_from_hf(reference_config(family, size), size)
+            else:
+                cfg = config_for(size, None, None, seq)
+                ref = gpt2_shape(size, cfg.layers, cfg.width, cfg.heads, cfg.vocab_size, cfg.seq_len)
+            result = launch(_reference_args(hw, size, seq, batch, precision, out, hf), measured_worker)
         setup = Setup(0, precision, micro_batch=batch, seq=seq)
         p = weigh(ref, setup, hw)
         points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
@@ -136,19 +173,37 @@ def engine_reference(hw, precision: str, again: bool = False) -> dict:
                        token_time(ref, setup, hw.rates),
                        float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"])))
     predicted, grown, psis, residuals, token_work, device_residuals = zip(*points)
-    # memory from the two smaller runs: the large one's stage-0 step leaves glibc's heap holes of its
-    # own (about a sub-group's temporaries, counted in the prediction) that would tilt the line
-    fixed, per_byte = line(predicted[:2], [g - p for p, g in zip(predicted[:2], grown[:2])])
+    fixed, per_byte, per_token = memory_terms(predicted, grown, gpu)
     terms = [[1.0, psi, t] for psi, t in zip(psis, token_work)]
     step_fixed, per_param, token_scale = least_squares(terms, residuals) if not gpu else (0.0, 0.0, 0.0)
     # a GPU's own fixed bytes (the math libraries' workspaces) are the same in both runs: their mean
     device_fixed = max(0.0, statistics.mean(device_residuals)) if gpu else 0.0
-    found = {"fixed": fixed, "per_byte": per_byte, "step_fixed": step_fixed, "step_per_param": per_param,
-             "token_scale": token_scale, "device_fixed": device_fixed, "references": points}
+    found = {"fixed": fixed, "per_byte": per_byte, "per_token": per_token, "step_fixed": step_fixed,
+             "step_per_param": per_param, "token_scale": token_scale, "device_fixed": device_fixed,
+             "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(found, f)
     return found
+
+
+def memory_terms(predicted, grown, gpu: bool) -> tuple[float, float, float]:
+    """(fixed, per_byte, per_token) of the runtime's bytes from the references' predicted and
+    measured peaks (REFERENCES' order). The line through the two smaller runs gives the fixed part
+    and the share per byte (the large one's stage-0 step leaves glibc's heap holes of its own, about
+    a sub-group's temporaries, counted in the prediction, that would tilt it). The medium run of 4 x
+    64 tokens differs from the medium run of 16 in its tokens alone: what it grew beyond the line is
+    the micro-batch's tokens' share (none below 0), counted from the 16 tokens the line's runs
+    held. A GPU's references are the two smaller runs: no share per token there (the host holds
+    no activations)."""
+    residuals = [g - p for p, g in zip(predicted, grown)]
+    fixed, per_byte = line(predicted[:2], residuals[:2])
+    if gpu:
+        return fixed, per_byte, 0.0
+    (_, seq, batch), (_, more_seq, more_batch) = REFERENCES[1], REFERENCES[3]
+    beyond = residuals[3] - (fixed + per_byte * predicted[3])
+    per_token = max(0.0, beyond / (more_seq * more_batch - seq * batch))
+    return fixed - per_token * seq * batch, per_byte, per_token
 
 
 def line(xs, ys) -> tuple[float, float]:
@@ -159,6 +214,16 @@ def line(xs, ys) -> tuple[float, float]:
     spread = sum((x - mx) ** 2 for x in xs)
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread) if spread else 0.0
     return max(0.0, my - slope * mx), slope
+
+
+def _family_key(family: dict | None) -> str:
+    """The cache name's part for a Hugging Face family: a digest of its reference configs."""
+    if family is None:
+        return ""
+    import hashlib
+
+    configs = json.dumps([reference_config(family, size) for size, _, _ in REFERENCES], sort_keys=True)
+    return "-" + hashlib.sha256(configs.encode()).hexdigest()[:8]
 
 
 def _model_version() -> str:
@@ -182,19 +247,20 @@ def optimizer_step_s(micro_batch_s: list[float], accumulation: int) -> float:
     return statistics.median(steps[1:] or steps)
 
 
-def with_engine(hw, precision: str, again: bool = False):
+def with_engine(hw, precision: str, again: bool = False, family: dict | None = None):
     """This machine's Hardware with what engine_reference measured: the runtime's bytes, and on a
     CPU the engine's own step costs in its rates. On a GPU the runtime's bytes are the host's (the
     CUDA libraries loaded at the first kernels, the corpus; the tiny and medium runs' host growth,
     as their stage-0 prediction holds nothing on the host) and the device's fixed part, and the
     engine's work hides under the device's queue."""
-    found = engine_reference(hw, precision, again)
+    found = engine_reference(hw, precision, again, family)
     if hw.device != "cpu":
         return replace(hw, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"],
-                       device_runtime_bytes=found.get("device_fixed", 0.0))
+                       device_runtime_bytes=found["device_fixed"])
     rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"],
                     engine_token_scale=found["token_scale"])
-    return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"])
+    return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"],
+                   runtime_per_token=found["per_token"])
 
 
 def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:

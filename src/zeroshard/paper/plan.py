@@ -49,6 +49,9 @@ class Hardware:
     # engine_reference): a fixed part, and a share of the predicted peak (freed memory kept)
     runtime_bytes: float = 0.0
     runtime_per_byte: float = 0.0
+    # and a share per token of the micro-batch: what its tokens leave in glibc's heap beyond the
+    # activations the model counts (a Hugging Face family's more than the built-in GPT's)
+    runtime_per_token: float = 0.0
     # on a GPU, what the device holds beyond the model's bytes (measured likewise): the math
     # libraries' workspaces, taken through the caching allocator at the first kernels
     device_runtime_bytes: float = 0.0
@@ -139,8 +142,9 @@ def _within_nodes(s: Setup, hw: Hardware) -> list[Setup]:
 
 def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:
     p = peak(shape, setup, hw.ranks, hw.device)
-    if hw.runtime_bytes or hw.runtime_per_byte:
-        runtime = hw.runtime_bytes + hw.runtime_per_byte * p.host
+    if hw.runtime_bytes or hw.runtime_per_byte or hw.runtime_per_token:
+        tokens = setup.micro_batch * setup.seq
+        runtime = max(0.0, hw.runtime_bytes + hw.runtime_per_byte * p.host + hw.runtime_per_token * tokens)
         p = replace(p, host=p.host + runtime, parts={**p.parts, "runtime": runtime})
     if hw.device_runtime_bytes:
         on_device = hw.device_runtime_bytes
