@@ -8,10 +8,11 @@ beside the prediction less its fragmentation allowance), what the caching alloca
 process's baseline; on a CPU group one memory, so device is None and
 host is the peak RSS above the baseline (train.worker: /proc/self/status, the most over ranks).
 The baseline is taken once the rank's libraries are loaded and its process group is up;
-what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is a
-pair of reference runs' measured growth against their predicted peaks (engine_reference: a
-fixed part and an overhead per byte; and the engine's own step costs beside plain torch's),
-measured once per machine and applied to the prediction, cached beside the calibration. Step
+what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is the
+reference runs' measured growth against their predicted peaks (engine_reference, in the model's
+own family: a fixed part, an overhead per byte and one per token of the micro-batch; and the
+engine's own step costs beside plain torch's), measured once per machine and applied to the
+prediction, cached beside the calibration. Step
 time: the median over optimizer steps (the first left out) of the sum of their micro-batches'
 times."""
 
