@@ -123,7 +123,8 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     - memory, through the tiny and medium runs: measured growth = fixed + (1 + per_byte) x
       predicted peak: the runtime's fixed bytes (the corpus, the libraries' workspaces, less what
       the process had already peaked at before its baseline) and the allocator's overhead per
-      byte (freed memory it keeps);
+      byte (freed memory it keeps); and, through the medium run of 4 x 64 tokens, per_token x the
+      micro-batch's tokens beyond 16 (memory_terms);
     - time, least squares through all four (no term below 0): measured step = predicted +
       step_fixed + step_per_param x Ψ + token_scale x the token work: the engine's own work (its
       hooks and bookkeeping, the gradients landing in its flat buffers, the casts around the step)
@@ -159,10 +160,10 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
         with tempfile.TemporaryDirectory() as out:
             hf = None
             if family is not None:
-                hf = os.path.join(out, "config.json")
+                hf, config = os.path.join(out, "config.json"), reference_config(family, size)
                 with open(hf, "w") as f:
-                    json.dump(reference_config(family, size), f)
-                ref = shape_from_hf(reference_config(family, size), size)
+                    json.dump(config, f)
+                ref = shape_from_hf(config, size)
             else:
                 cfg = config_for(size, None, None, seq)
                 ref = gpt2_shape(size, cfg.layers, cfg.width, cfg.heads, cfg.vocab_size, cfg.seq_len)
