@@ -175,6 +175,9 @@ def test_a_micro_batchs_tokens_join_the_runtimes_bytes_on_the_host():
     {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
      "num_key_value_heads": 4, "intermediate_size": 5632, "head_dim": 64, "vocab_size": 32000,
      "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    {"model_type": "qwen2", "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "intermediate_size": 352, "vocab_size": 1000, "max_position_embeddings": 512,
+     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
 ])
 def test_a_reference_in_the_models_family_has_a_built_in_sizes_shape(family):
     """reference_config: the family's architecture (its other keys kept) at a built-in size's layers,
@@ -193,7 +196,10 @@ def test_a_reference_in_the_models_family_has_a_built_in_sizes_shape(family):
             "n_embd", family.get("hidden_size")))
         if "num_key_value_heads" in family:
             kv = config["num_key_value_heads"]
-            assert heads % kv == 0 and heads // kv <= 32 // 4 and "head_dim" not in config
+            per_kv = family["num_attention_heads"] // family["num_key_value_heads"]
+            assert heads % kv == 0 and heads // kv <= per_kv and "head_dim" not in config
+        if "layer_types" in family:  # one per layer, the family's pattern repeated from its start
+            assert config["layer_types"] == [family["layer_types"][i % 3] for i in range(layers)]
 
 
 def test_disk_buffers_are_resident_on_a_cpu_only_where_sub_groups_use_them(monkeypatch):

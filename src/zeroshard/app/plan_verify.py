@@ -76,8 +76,11 @@ def reference_config(family: dict, size: str) -> dict:
     gpt2 = "n_embd" in family or family.get("model_type") == "gpt2"
     names = (("n_layer", "n_embd", "n_head") if gpt2 else
              ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    was_width, was_heads = family[names[1]], family[names[2]]
+    was_layers, was_width, was_heads = (family[n] for n in names)
     config = {**family, **dict(zip(names, (layers, width, heads))), "vocab_size": 256}
+    for key, value in family.items():  # per-layer lists (Qwen's layer_types): the pattern, cut or repeated
+        if isinstance(value, list) and len(value) == was_layers and was_layers > 0:
+            config[key] = [value[i % was_layers] for i in range(layers)]
     config.pop("head_dim", None)  # (width / heads, as the built-in GPT's)
     for key in ("n_inner", "intermediate_size"):
         if config.get(key):
