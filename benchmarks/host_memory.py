@@ -74,7 +74,7 @@ def main() -> None:
         case = CASES[index]
         got: dict[str, list] = {name: [] for name in names}
         for r in range(args.rounds):
-            for name in names[r % 3:] + names[:r % 3]:  # each goes first in turn
+            for name in names[r % len(names):] + names[:r % len(names)]:  # each goes first in turn
                 with tempfile.TemporaryDirectory() as folder:
                     got[name].append(run(case, name, args.nproc, args.steps, folder))
         peak, step = ({n: statistics.median(x[i] for x in got[n]) for n in names} for i in (0, 1))

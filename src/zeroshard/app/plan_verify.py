@@ -73,9 +73,9 @@ def reference_config(family: dict, size: str) -> dict:
     from .sizes import SIZES
 
     layers, width, heads = SIZES[size]
-    gpt2 = "n_embd" in family or family.get("model_type") == "gpt2"
-    names = (("n_layer", "n_embd", "n_head") if gpt2 else
-             ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    # each under the name the config uses (GPT-2's or the others'), as shape_from_hf reads them
+    names = [gpt2 if gpt2 in family else other for gpt2, other in
+             (("n_layer", "num_hidden_layers"), ("n_embd", "hidden_size"), ("n_head", "num_attention_heads"))]
     was_layers, was_width, was_heads = (family[n] for n in names)
     config = {**family, **dict(zip(names, (layers, width, heads))), "vocab_size": 256}
     for key, value in family.items():  # per-layer lists (Qwen's layer_types): the pattern, cut or repeated
