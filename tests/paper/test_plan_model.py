@@ -349,13 +349,16 @@ def _model_and_shape(family: str, extra: dict, layers: int, folder):
 
 
 @pytest.mark.parametrize("family, extra", [("builtin", {}), ("gpt2", {}), ("llama", {}),
+                                           ("llama", {"model_type": "mixtral", "num_local_experts": 4,
+                                                      "num_experts_per_tok": 2}),
                                            ("gpt2", {"activation_function": "gelu", "resid_pdrop": 0.0,
                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.0})])
 def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, family, extra):
     """What one block keeps for backward, as the planner counts it, against the bytes autograd
     actually saves (bf16, training mode): the difference between a 4- and a 2-block model, for the
     built-in GPT and two Hugging Face families with their own activation functions, fp32 norms and
-    dropout. Within 10%."""
+    dropout, and a mixture of experts (its tokens routed, and the router's probabilities). Within
+    10%."""
     import torch
 
     from zeroshard.app.gpt import lm_loss

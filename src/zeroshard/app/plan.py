@@ -23,7 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "by place and step time predicted, ranked. docs/plan.md.",
     )
     m = p.add_argument_group("the model (one of)")
-    m.add_argument("--hf-config", help="a Hugging Face config.json (GPT-2 or LLaMA family)")
+    m.add_argument("--hf-config", help="a Hugging Face config.json or model folder (a decoder: GPT-2- or "
+                   "LLaMA-style blocks, experts too)")
     m.add_argument("--model", choices=sorted(SIZES), help="a built-in zeroshard GPT size")
     m.add_argument("--params", type=float, help="parameter count Ψ, with --layers and --width")
     m.add_argument("--layers", type=int, help="layers (with --params, or overriding --model's)")
@@ -103,7 +104,7 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
         try:
             with open(file, encoding="utf-8") as f:
                 config = json.load(f)
-            return shape_from_hf(config, os.path.basename(os.path.dirname(os.path.abspath(file))))
+            return shape_from_hf(config, _model_name(file))
         except (OSError, ValueError) as e:
             parser.error(f"--hf-config {args.hf_config}: {e}")
     if args.params is not None:
@@ -123,6 +124,14 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
 
 
 VERIFY_MAX_AGE = 3600.0  # s: --verify measures older cached rates again
+
+
+def _model_name(file: str) -> str:
+    """What the table calls a Hugging Face model: its folder's name for a config.json (the model's
+    folder), else the file's own name (`llama3.json` is "llama3")."""
+    path = os.path.abspath(file)
+    stem, _ = os.path.splitext(os.path.basename(path))
+    return os.path.basename(os.path.dirname(path)) if stem == "config" else stem
 
 
 def _hardware(parser, args, local: bool):

@@ -82,7 +82,7 @@ def reference_config(family: dict, size: str) -> dict:
         if isinstance(value, list) and len(value) == was_layers and was_layers > 0:
             config[key] = [value[i % was_layers] for i in range(layers)]
     config.pop("head_dim", None)  # (width / heads, as the built-in GPT's)
-    for key in ("n_inner", "intermediate_size"):
+    for key in ("n_inner", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if config.get(key):
             config[key] = max(1, round(family[key] * width / was_width))
     if family.get("num_key_value_heads"):  # the same heads per key/value head, where they divide

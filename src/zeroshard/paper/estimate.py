@@ -116,9 +116,18 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_int
 
 
 def hf_model_params(config: Mapping) -> int | None:
-    """Ψ counted on the architecture itself: transformers builds it from the config on the meta
-    device (shapes, no memory), tied weights counted once. Exact for any family it knows (MoE
-    experts, encoders, encoder-decoders); None without transformers or a model_type it knows."""
+    """Ψ counted on the architecture itself (hf_meta_model), tied weights counted once. Exact for any
+    family transformers knows (MoE experts, encoders, encoder-decoders); None without transformers or
+    a model_type it knows."""
+    model = hf_meta_model(config)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def hf_meta_model(config: Mapping, causal_lm: bool = False):
+    """The model transformers builds from `config` on the meta device (shapes, no memory): the class
+    its `architectures` names, else its causal-LM class, else its base model; with `causal_lm`, its
+    causal-LM class alone (what `zeroshard train --hf-config` builds). None without transformers, a
+    model_type it knows, or (with `causal_lm`) a causal-LM class for it."""
     kind = config.get("model_type")
     if not kind:  # (before importing transformers, which takes seconds)
         return None
@@ -131,14 +140,14 @@ def hf_model_params(config: Mapping) -> int | None:
         hf = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
     except (ValueError, KeyError, TypeError):
         return None
-    named = [getattr(transformers, name, None) for name in (hf.architectures or [])]
+    named = [] if causal_lm else [getattr(transformers, name, None) for name in (hf.architectures or [])]
+    bases = [transformers.AutoModelForCausalLM] + ([] if causal_lm else [transformers.AutoModel])
     with torch.device("meta"):
-        for cls in [*filter(None, named), transformers.AutoModelForCausalLM, transformers.AutoModel]:
+        for cls in [*filter(None, named), *bases]:
             try:
-                model = cls.from_config(hf) if cls.__name__.startswith("Auto") else cls(hf)
+                return cls.from_config(hf) if cls.__name__.startswith("Auto") else cls(hf)
             except ValueError:  # not a class for this config (an encoder has no causal-LM class)
                 continue
-            return sum(p.numel() for p in model.parameters())
     return None
 
 

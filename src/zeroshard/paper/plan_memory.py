@@ -241,6 +241,10 @@ def activations(shape: Shape, setup: Setup) -> tuple[float, float]:
     d, f, mp = shape.width, shape.ffn, setup.mp
     block = tokens * (a * (3 * d + (6 * d + shape.mlp_wide * f) / mp) + 4 * (4 + shape.heads / mp))
     block += tokens * d * (2 * 4 * shape.norm_fp32 * (a < 4) + 2 * a * shape.dropout)
+    experts, routed = shape.experts
+    if experts:  # each routed copy of a token: its input gathered and its expert's output (d-wide),
+        # and the router's fp32 logits and probabilities over the experts
+        block += tokens * (2 * routed * a * d / mp + 2 * 4 * experts)
     if shape.attention_dropout:  # the math path: six fp32 copies of the scores, not flash's q, k, v
         block += setup.micro_batch * 6 * 4 * shape.heads / mp * setup.seq**2 - tokens * 3 * a * d / mp
     logits = tokens * shape.vocab * 4 / mp  # (vocab-parallel with MP, as Megatron's loss)

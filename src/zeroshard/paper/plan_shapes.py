@@ -1,14 +1,15 @@
 """The planner's model shapes: what it needs of a decoder (Shape), the GPT-2 and LLaMA families'
 (gpt2_shape, llama_shape), and a shape from what a user gives: a Hugging Face config.json, or Ψ
 with layers and width. Ψ is counted as `zeroshard estimate` counts it (estimate.hf_config_params); the unit
-split (a buffer per block, the rest in the root) follows the GPT-2 or LLaMA family's block."""
+split (a buffer per block, the rest in the root) is the model's own where transformers builds it
+(model_units), else the GPT-2 or LLaMA family's block."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from .estimate import gpt2_params, hf_config_params, llama_params
+from .estimate import gpt2_params, hf_config_params, hf_meta_model, llama_params
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class Shape:
     psi: int
     units: tuple[int, ...]
     tied: bool = True  # the output head shares the token embedding
+    # Mixture of experts: (E, k), a token routed to k of E experts; `idle`, the routed experts'
+    # parameters its matmuls skip (all but k/E of them); `ffn` is then the MLP width a token passes
+    # through (k experts' and any shared expert's)
+    experts: tuple[int, int] = (0, 0)
+    idle: int = 0
     # What a block saves beyond the family's plain block (a Hugging Face model's code; measured with
     # saved-tensor hooks, tests/paper/test_plan_model.py): MLP-wide tensors saved per token (0: the
     # family's: 2 for GELU, 3 for SwiGLU; GPT-2's "gelu_new", a formula of torch ops, saves 4);
@@ -111,6 +117,10 @@ def _key(config: Mapping, *names: str, default: int | None = None) -> int:
     if name is None:
         if default is not None:
             return default
+        kind = config.get("model_type")
+        if kind:  # a model, but not one whose sizes are named as a GPT-2- or LLaMA-style decoder's
+            raise ValueError(f"model_type {kind!r}: the planner reads a GPT-2- or LLaMA-style decoder's "
+                             f"sizes and the config has none of {', '.join(names)}")
         raise ValueError(f"not a model config: it has none of {', '.join(names)}")
     value = config[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -119,9 +129,17 @@ def _key(config: Mapping, *names: str, default: int | None = None) -> int:
 
 
 def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
-    """A decoder's Shape from its config.json; ValueError naming what is missing or wrong."""
+    """A decoder's Shape from its config.json; ValueError naming what is missing or wrong. Where
+    transformers knows the model_type, Ψ and the units are counted on its causal-LM class itself
+    (model_units), experts included; a model_type with no causal-LM class (an encoder-decoder) is
+    refused, as `zeroshard train --hf-config` could not build it."""
     if not isinstance(config, Mapping):
         raise ValueError("not a model config: config.json must hold a JSON object")
+    model = hf_meta_model(config, causal_lm=True)
+    if model is None and hf_meta_model(config) is not None:
+        raise ValueError(f"model_type {config['model_type']!r} has no causal-LM class in transformers (an "
+                         f"encoder-decoder): the planner weighs decoder-only models; `zeroshard estimate "
+                         f"--hf-config` gives its model states, or plan a decoder of its size with --params")
     layers, width = _key(config, "n_layer", "num_hidden_layers"), _key(config, "n_embd", "hidden_size")
     heads, vocab = _key(config, "n_head", "num_attention_heads"), _key(config, "vocab_size")
     psi = hf_config_params(config)
@@ -151,7 +169,54 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
             bool(config.get("tie_word_embeddings", False)),
             psi,
         )
+    if model is not None:
+        shape = replace(shape, units=model_units(model), **_experts(config, model))
     return replace(shape, **_hf_block(config, family))
+
+
+def model_units(model) -> tuple[int, ...]:
+    """Elements of each flat buffer the engine builds for `model`, root first: every child of an
+    nn.ModuleList is a unit (the outermost where lists nest), and a parameter belongs to the one
+    unit holding every module that registers it, else to the root (a tied weight). This is
+    core/units.py's rule, which the paper floor does not import (a test holds the two together)."""
+    from torch import nn
+
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            for child, _ in module.named_children():
+                full = f"{name}.{child}" if name else child
+                if not any(full.startswith(b + ".") for b in blocks):
+                    blocks.append(full)
+    registered: dict[int, tuple[int, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        registered.setdefault(id(param), (param.numel(), []))[1].append(name)
+    sizes = dict.fromkeys(["", *blocks], 0)
+    for numel, names in registered.values():
+        home = [b for b in blocks if all(n.startswith(b + ".") for n in names)]
+        sizes[home[0] if home else ""] += numel
+    return tuple(sizes.values())
+
+
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_PER_TOKEN = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
+def _experts(config: Mapping, model) -> dict:
+    """A mixture of experts' Shape fields (Shape.idle, and `ffn` as a token's MLP width), from the
+    routed experts' parameters (named `experts`) of the built model; none for a dense model."""
+    experts, per_token = (next((config[k] for k in keys if config.get(k)), 0)
+                          for keys in (_EXPERTS, _PER_TOKEN))
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
+    if not routed or not experts:
+        return {}
+    if not 0 < per_token <= experts:
+        raise ValueError(f"a mixture of {experts} experts needs num_experts_per_tok between 1 and "
+                         f"{experts}, got {per_token!r}")
+    expert_ffn = _key(config, "moe_intermediate_size", "intermediate_size")
+    shared = config.get("shared_expert_intermediate_size") or config.get("n_shared_experts", 0) * expert_ffn
+    return {"experts": (experts, per_token), "idle": routed - routed * per_token // experts,
+            "ffn": per_token * expert_ffn + shared}
 
 
 # f-wide tensors an MLP saves per token with Hugging Face's activation functions, where they differ

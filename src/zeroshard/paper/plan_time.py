@@ -74,8 +74,10 @@ class StepTime:
 def step_flops(shape: Shape, setup: Setup) -> float:
     """Matrix flops of one micro-batch on one rank (with recompute when checkpointing)."""
     tokens = setup.micro_batch * setup.seq
-    # every parameter is a matmul's but the embedding lookups' (the tied head's matrix is one)
-    dense = 2 * (shape.psi - shape.positions * shape.width - (0 if shape.tied else shape.vocab * shape.width))
+    # every parameter is a matmul's but the embedding lookups' (the tied head's matrix is one) and
+    # the experts a token is not routed to
+    lookups = shape.positions * shape.width + (0 if shape.tied else shape.vocab * shape.width)
+    dense = 2 * (shape.psi - shape.idle - lookups)
     attention = 2 * 2 * setup.seq * shape.width * shape.layers / 2  # QK^T and AV, causal: half
     forward = tokens * (dense + attention) / setup.mp
     return forward * (4 if setup.checkpointing else 3)
