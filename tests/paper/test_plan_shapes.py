@@ -91,3 +91,23 @@ def test_a_config_the_planner_cannot_weigh_is_refused_by_name(config, words):
     with pytest.raises(ValueError, match=words):
         shape_from_hf(config)
 
+
+
+def test_mp_is_weighed_only_where_the_models_own_plan_can_split_it(tmp_path):
+    """A Hugging Face model is split by its own tensor-parallel plan: the planner weighs no MP above
+    1 where that plan has a style zeroshard does not take (Mixtral's packed experts), saying so, and
+    none that does not divide the key/value heads."""
+    import argparse
+    import json
+    from types import SimpleNamespace
+
+    from zeroshard.app.plan import _mp_degrees
+
+    pytest.importorskip("transformers")
+    hw = SimpleNamespace(device="cuda", per_node=8)
+    for config, degrees, words in [(LLAMA, [1, 2], ""), (MIXTRAL, [1], "'packed_colwise' is not supported")]:
+        path = tmp_path / f"{config['model_type']}.json"
+        path.write_text(json.dumps(config))
+        args = argparse.Namespace(hf_config=str(path), mp=None)
+        found, why = _mp_degrees(args, shape_from_hf(config), hw)
+        assert found == degrees and words in why, (config["model_type"], found, why)

@@ -227,6 +227,34 @@ def _hf_family(args: argparse.Namespace) -> dict | None:
         return json.load(f)
 
 
+def _mp_degrees(args: argparse.Namespace, shape, hw) -> tuple[list[int] | None, str]:
+    """The MP degrees to weigh (None: every one paper.plan.setups allows) and, where a Hugging Face
+    model allows none above 1, why: `zeroshard train --tp` splits it by its own tensor-parallel
+    plan, which must be one zeroshard takes, and tp must divide its key/value heads too."""
+    if args.mp:
+        degrees = [args.mp]
+    elif hw.device == "cpu":
+        return [1], ""
+    else:
+        degrees = [m for m in (1, 2, 4, 8, 16, 32, 64)
+                   if m <= hw.per_node and hw.per_node % m == 0 and shape.heads % m == 0]
+    config = _hf_family(args)
+    if config is None:
+        return degrees, ""
+    import zeroshard
+    from zeroshard.paper.estimate import hf_meta_model
+    from zeroshard.parallel import model_plan, plan_styles
+
+    model = hf_meta_model(config, causal_lm=True)
+    if model is not None and degrees != [1]:
+        try:
+            plan_styles(model_plan(model)[1])
+        except zeroshard.ConfigError as e:
+            return [1], f"--tp cannot split {config.get('model_type')!r}: {e}"
+    kv = config.get("num_key_value_heads") or shape.heads
+    return [m for m in degrees if kv % m == 0], ""
+
+
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from zeroshard.paper.plan import plan, smallest_change
     from .plan_report import config_of, paper_text, plan_json, table
@@ -241,12 +269,14 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(
             f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"
         )
+    mps, why_mp_1 = _mp_degrees(args, shape, hw)
+    if args.mp and args.mp not in mps:
+        parser.error(f"--mp {args.mp}: {why_mp_1 or 'it must divide the key/value heads'}")
     if local:  # (after the input is checked: the reference runs take seconds the first time)
         from .plan_verify import with_engine
 
         hw = with_engine(hw, args.precision, args.recalibrate, _hf_family(args))
     batch = args.global_batch or 8 * hw.ranks
-    mps = [args.mp] if args.mp else ([1] if hw.device == "cpu" else None)
     plans = plan(shape, hw, batch, args.seq_len, args.precision, mps)
     if not plans:
         parser.error(
@@ -268,6 +298,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(json.dumps(plan_json(shape, hw, line, plans, batch, args, changes, verified), indent=1))
         return
     print(table(shape, hw, line, plans, batch, args, changes, verified))
+    if why_mp_1 and not args.mp:
+        print(f"mp 1 only: {why_mp_1}")
     if args.write:
         print(f"wrote the best configuration to {args.write}; train it with: "
               f"{train_command(args, best, hw)}" if best else f"did not write {args.write}: nothing fits")

@@ -3,6 +3,6 @@
 May import: common, config, comm (the flat buffers are core's: parallel knows only DTensors).
 """
 from .mesh import Axes, check_heads, mics_mesh, split
-from .plan import tensor_parallel
+from .plan import model_plan, plan_styles, tensor_parallel
 
-__all__ = ["Axes", "check_heads", "mics_mesh", "split", "tensor_parallel"]
+__all__ = ["Axes", "check_heads", "mics_mesh", "model_plan", "plan_styles", "split", "tensor_parallel"]

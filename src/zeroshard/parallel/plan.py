@@ -37,6 +37,17 @@ def model_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]]:
                       f"plan={{'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise'}})")
 
 
+def plan_styles(plan: dict[str, str]) -> dict[str, ColwiseParallel | RowwiseParallel]:
+    """{pattern: torch's style} of a plan; ConfigError naming the first entry of a style not taken."""
+    styles = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not supported; "
+                              f"zeroshard takes {sorted(STYLES)} (block inputs must stay replicated)")
+        styles[pattern] = STYLES[style]()
+    return styles
+
+
 def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] | None = None) -> nn.Module:
     """Split `model` over `tp_mesh` by its own plan (or `plan`, {module pattern: "colwise" |
     "rowwise"}, patterns relative to `model`, "*" matching one name). Returns the model, changed
@@ -45,12 +56,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] 
         raise ConfigError(f"tensor_parallel takes the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} "
                           f"dimensions")
     root, plan = (model, plan) if plan is not None else model_plan(model)
-    styles = {}
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ConfigError(f"tensor-parallel plan entry {pattern!r}: {style!r} is not supported; "
-                              f"zeroshard takes {sorted(STYLES)} (block inputs must stay replicated)")
-        styles[pattern] = STYLES[style]()
+    styles = plan_styles(plan)
     check_heads(model, tp_mesh.size())
     before = {id(p) for p in root.parameters()}
     parallelize_module(root, tp_mesh, styles)
