@@ -309,3 +309,19 @@ def test_the_default_optimizer_is_fused_on_a_gpu_on_both_sides(device, offload, 
         args = TrainArgs(device=device, ddp=ddp, offload_optimizer=offload)
         optimizer = optimizer_of(zeroshard.Config.load(args.engine_config()), args)([torch.zeros(2)])
         assert bool(optimizer.defaults["fused"]) == expected, (device, offload, ddp)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "llama", "hidden_size": "big", "num_hidden_layers": 2, "num_attention_heads": 4,
+      "intermediate_size": 64, "vocab_size": 300}, "transformers refuses"),
+    ({"model_type": "no_such_arch", "hidden_size": 64}, "model_type 'no_such_arch', which transformers"),
+    ({"model_type": "t5", "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 300},
+     "has no causal-LM class"),
+])
+def test_a_hf_config_transformers_cannot_build_is_refused_by_name(tmp_path, config, message):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    done = zeroshard_here("train", "--device", "cpu", "--hf-config", str(path), "--steps", "1",
+                          "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -84,6 +84,7 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_passes_through():
     ({**MIXTRAL, "num_experts_per_tok": 5}, "num_experts_per_tok between 1 and 4"),
     ({"model_type": "llama", "hidden_size": 64}, "model_type 'llama': the planner reads"),
     ({"train_batch_size": 8}, "not a model config"),
+    ({**LLAMA, "num_attention_heads": 5}, "transformers refuses this llama config: .*not a multiple"),
 ])
 def test_a_config_the_planner_cannot_weigh_is_refused_by_name(config, words):
     if config.get("model_type"):

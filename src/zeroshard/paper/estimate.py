@@ -136,19 +136,30 @@ def hf_meta_model(config: Mapping, causal_lm: bool = False):
         import transformers
     except ImportError:
         return None
+    if kind not in transformers.CONFIG_MAPPING:  # a family this transformers does not know
+        return None
     try:
         hf = transformers.AutoConfig.for_model(kind, **{k: v for k, v in config.items() if k != "model_type"})
-    except (ValueError, KeyError, TypeError):
-        return None
+    except Exception as e:  # (its validation errors are not ValueErrors) a value it refuses, by name
+        raise ValueError(f"transformers refuses this {kind} config: {_first_line(e)}") from None
     named = [] if causal_lm else [getattr(transformers, name, None) for name in (hf.architectures or [])]
     bases = [transformers.AutoModelForCausalLM] + ([] if causal_lm else [transformers.AutoModel])
     with torch.device("meta"):
         for cls in [*filter(None, named), *bases]:
             try:
                 return cls.from_config(hf) if cls.__name__.startswith("Auto") else cls(hf)
-            except ValueError:  # not a class for this config (an encoder has no causal-LM class)
-                continue
+            except ValueError as e:
+                if "Unrecognized configuration class" in str(e):  # no such class for it (an encoder
+                    continue  # has no causal-LM class)
+                raise ValueError(f"transformers cannot build this {kind} config: {_first_line(e)}") from None
+            except Exception as e:
+                raise ValueError(f"transformers cannot build this {kind} config: {_first_line(e)}") from None
     return None
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's message on one line (validation errors wrap theirs over several)."""
+    return " ".join(str(error).split())
 
 
 def hf_config_params(config: Mapping) -> int:

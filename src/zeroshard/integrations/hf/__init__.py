@@ -25,7 +25,7 @@ def __getattr__(name: str) -> Any:
 
 def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise RuntimeError("--hf-config needs the transformers package: "
                            "pip install 'zeroshard[hf]'") from None
@@ -36,7 +36,7 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
         raw = json.load(f)
     if "model_type" not in raw:
         raise ValueError(f"--hf-config: '{file}' has no \"model_type\" (e.g. \"gpt2\", \"llama\")")
-    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    config = _config_of(raw, file)
     config.use_cache = False  # training: no key/value cache in the outputs
     context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if context is not None and context < seq_len:
@@ -45,4 +45,26 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
         raise ValueError(f"'{file}' has vocab_size {config.vocab_size}; byte-level data needs >= 256")
     # fp32 weights whatever the file's dtype (real configs say "bfloat16"): --precision decides what
     # the model computes in, and the masters start from full-precision initial values.
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ValueError(f"--hf-config: '{file}' is a {config.model_type}, which has no causal-LM class in "
+                         f"transformers (an encoder-decoder): train a decoder-only model") from None
+
+
+def _config_of(raw: dict, file: str):
+    """transformers' config from a config.json's keys; ValueError naming a model_type transformers
+    does not know or a value it refuses (its validation errors are not ValueErrors)."""
+    import transformers
+
+    kind = raw.pop("model_type")
+    if kind not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"--hf-config: '{file}' has model_type {kind!r}, which transformers "
+                         f"{transformers.__version__} does not know (check the spelling, or a newer "
+                         f"transformers may)")
+    try:
+        return transformers.AutoConfig.for_model(kind, **raw)
+    except Exception as e:
+        raise ValueError(f"--hf-config: transformers refuses '{file}': {' '.join(str(e).split())}") from None
