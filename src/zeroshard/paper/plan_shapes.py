@@ -169,8 +169,9 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
             bool(config.get("tie_word_embeddings", False)),
             psi,
         )
-    if model is not None:
-        shape = replace(shape, units=model_units(model), **_experts(config, model))
+    if model is not None:  # (its Ψ too: `architectures` may name another head, which estimate counts)
+        units = model_units(model)
+        shape = replace(shape, units=units, psi=sum(units), tied=_tied(model), **_experts(config, model))
     return replace(shape, **_hf_block(config, family))
 
 
@@ -196,6 +197,12 @@ def model_units(model) -> tuple[int, ...]:
         home = [b for b in blocks if all(n.startswith(b + ".") for n in names)]
         sizes[home[0] if home else ""] += numel
     return tuple(sizes.values())
+
+
+def _tied(model) -> bool:
+    """Whether the output head is the token embedding (a config may leave it to its class's default)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embedding is not None and head.weight is embedding.weight
 
 
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
