@@ -351,13 +351,17 @@ def _model_and_shape(family: str, extra: dict, layers: int, folder):
 @pytest.mark.parametrize("family, extra", [("builtin", {}), ("gpt2", {}), ("llama", {}),
                                            ("llama", {"model_type": "mixtral", "num_local_experts": 4,
                                                       "num_experts_per_tok": 2}),
+                                           ("llama", {"model_type": "gpt_neox"}),
+                                           ("llama", {"model_type": "opt", "ffn_dim": 344, "dropout": 0.0,
+                                                      "word_embed_proj_dim": 128}),
                                            ("gpt2", {"activation_function": "gelu", "resid_pdrop": 0.0,
                                                      "embd_pdrop": 0.0, "attn_pdrop": 0.0})])
 def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, family, extra):
     """What one block keeps for backward, as the planner counts it, against the bytes autograd
     actually saves (bf16, training mode): the difference between a 4- and a 2-block model, for the
     built-in GPT and two Hugging Face families with their own activation functions, fp32 norms and
-    dropout, and a mixture of experts (its tokens routed, and the router's probabilities). Within
+    dropout, a mixture of experts (its tokens routed, and the router's probabilities), and two
+    plain-MLP families read off the built model (GPT-NeoX: GELU and LayerNorm; OPT: ReLU). Within
     10%."""
     import torch
 

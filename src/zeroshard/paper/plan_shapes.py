@@ -163,7 +163,7 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
             width,
             heads,
             vocab,
-            _key(config, "intermediate_size"),
+            _key(config, *_FFN, default=4 * width if model is not None else None),
             _key(config, "num_key_value_heads", default=heads),
             _key(config, "head_dim", default=width // heads),
             bool(config.get("tie_word_embeddings", False)),
@@ -172,7 +172,7 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
     if model is not None:  # (its Ψ too: `architectures` may name another head, which estimate counts)
         units = model_units(model)
         shape = replace(shape, units=units, psi=sum(units), tied=_tied(model), **_experts(config, model))
-    return replace(shape, **_hf_block(config, family))
+    return replace(shape, **_hf_block(config, family, model))
 
 
 def model_units(model) -> tuple[int, ...]:
@@ -232,14 +232,30 @@ def _experts(config: Mapping, model) -> dict:
 _MLP_SAVED = {"gelu_new": 4}
 
 
-def _hf_block(config: Mapping, family: str) -> dict:
-    """What a Hugging Face block of this family saves beyond the planner's plain block (Shape)."""
+# the MLP's inner width under the names decoders give it (Falcon's default: 4 x width)
+_FFN = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner", "d_ff")
+
+
+def _hf_block(config: Mapping, family: str, model=None) -> dict:
+    """What a Hugging Face block of this family saves beyond the planner's plain block (Shape).
+    Beyond GPT-2, read off the built model where there is one: a gated MLP (a `gate_proj` or
+    `gate_up_proj`) keeps three f-wide tensors, a plain one (GPT-NeoX, Falcon) two, one with ReLU
+    (OPT); RMSNorm keeps an fp32 copy of its input, LayerNorm does not."""
     if family == "gpt2":
         act = config.get("activation_function", "gelu_new")
         dropout = any(config.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop"))
         return {"mlp_saved": _MLP_SAVED.get(act, 2), "dropout": dropout,
                 "attention_dropout": bool(config.get("attn_pdrop", 0.1))}
-    return {"norm_fp32": True, "attention_dropout": bool(config.get("attention_dropout", 0.0))}
+    block = {"norm_fp32": True, "attention_dropout": bool(config.get("attention_dropout", 0.0))}
+    if model is not None:
+        names = [name for name, _ in model.named_parameters()]
+        gated = any(part in name for name in names for part in ("gate_proj", "gate_up_proj"))
+        norms = {type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower()}
+        built = model.config  # (the class's defaults filled in)
+        act = getattr(built, "hidden_act", None) or getattr(built, "activation_function", None)
+        plain = 1 if act == "relu" else 2  # (ReLU's backward needs its output alone: the next matmul's input)
+        block.update(mlp_saved=3 if gated else plain, norm_fp32=any("RMSNorm" in n for n in norms))
+    return block
 
 
 def shape_from_params(psi: float, layers: int, width: int, heads: int, vocab: int, seq: int) -> Shape:
