@@ -6,13 +6,13 @@ run for a few optimizer steps here (gloo ranks on a CPU; one GPU with --gpu, or 
 available); the table prints the predicted and measured peak (a
 rank's RSS above its baseline on a CPU, the device's peak on a GPU) and step time with their
 ratios. The configurations cover stages 0-3, optimizer offload to cpu and nvme, parameter offload,
-activation checkpointing, fp32 and bf16, the built-in GPT and two Hugging Face families (GPT-2 and
-LLaMA configs written here, small enough for a CPU); on a GPU, the 1.1B LLaMA of offload.py with
-and without offload. The targets: peaks within 10%, step times within 25%. --top3 also runs the
-planner's three best configurations for one shape, alternately over a few rounds, and says whether
-the recommended one was the fastest by the medians.
+activation checkpointing, fp32 and bf16, the built-in GPT and three Hugging Face families (GPT-2,
+LLaMA and Mixtral, a mixture of experts: configs written here, small enough for a CPU); on a GPU,
+the 1.1B LLaMA of offload.py with and without offload. The targets: peaks within 10%, step times
+within 25%. --top3 also runs the planner's three best configurations for one shape, alternately over
+a few rounds, and says whether the recommended one was the fastest by the medians.
 
-    python benchmarks/plan_verify.py --steps 5 --top3    # 14 configurations and a top 3, ~5 min on 2 cores
+    python benchmarks/plan_verify.py --steps 5 --top3    # 15 configurations and a top 3, ~8 min on 2 cores
     python benchmarks/plan_verify.py --only 0 3 --steps 2
     python benchmarks/plan_verify.py --gpu --steps 4          # one GPU: the 1.1B LLaMA, 3 configurations
 """
@@ -39,7 +39,9 @@ LLAMA = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num
 LLAMA_1B = {"model_type": "llama", "num_hidden_layers": 22, "hidden_size": 2048, "num_attention_heads": 32,
             "num_key_value_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
             "max_position_embeddings": 2048, "tie_word_embeddings": False}  # benchmarks/offload.py's
-HF = {"gpt2": GPT2, "llama": LLAMA, "llama1b": LLAMA_1B}
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "intermediate_size": 344, "num_local_experts": 4,
+           "num_experts_per_tok": 2}  # each token through two of four experts of half LLaMA's MLP
+HF = {"gpt2": GPT2, "llama": LLAMA, "mixtral": MIXTRAL, "llama1b": LLAMA_1B}
 # (model, stage, precision, offload_optimizer, offload_param, checkpointing, micro_batch, accumulation)
 CASES = [
     ("medium", 0, "fp32", "none", "none", False, 2, 2),
@@ -56,6 +58,7 @@ CASES = [
     ("gpt2", 2, "bf16", "none", "none", False, 4, 1),
     ("llama", 3, "bf16", "cpu", "none", False, 2, 2),
     ("llama", 1, "fp32", "none", "none", True, 4, 1),
+    ("mixtral", 3, "bf16", "none", "none", False, 4, 1),
 ]
 # --gpu: the 1.1B LLaMA of benchmarks/offload.py, world size 1, sequences of 1024
 GPU_CASES = [

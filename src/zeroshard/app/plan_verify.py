@@ -82,9 +82,11 @@ def reference_config(family: dict, size: str) -> dict:
         if isinstance(value, list) and len(value) == was_layers and was_layers > 0:
             config[key] = [value[i % was_layers] for i in range(layers)]
     config.pop("head_dim", None)  # (width / heads, as the built-in GPT's)
+    # (in multiples of 8, as real models' are: transformers' grouped expert matmuls need rows of
+    # 16-byte multiples in 16 bits)
     for key in ("n_inner", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         if config.get(key):
-            config[key] = max(1, round(family[key] * width / was_width))
+            config[key] = max(8, 8 * round(family[key] * width / was_width / 8))
     if family.get("num_key_value_heads"):  # the same heads per key/value head, where they divide
         per_kv = max(1, was_heads // family["num_key_value_heads"])
         most = max(1, heads // per_kv)
