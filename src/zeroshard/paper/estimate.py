@@ -148,11 +148,9 @@ def hf_meta_model(config: Mapping, causal_lm: bool = False):
         for cls in [*filter(None, named), *bases]:
             try:
                 return cls.from_config(hf) if cls.__name__.startswith("Auto") else cls(hf)
-            except ValueError as e:
-                if "Unrecognized configuration class" in str(e):  # no such class for it (an encoder
-                    continue  # has no causal-LM class)
-                raise ValueError(f"transformers cannot build this {kind} config: {_first_line(e)}") from None
             except Exception as e:
+                if isinstance(e, ValueError) and "Unrecognized configuration class" in str(e):
+                    continue  # no such class for it (an encoder-decoder has no causal-LM class)
                 raise ValueError(f"transformers cannot build this {kind} config: {_first_line(e)}") from None
     return None
 

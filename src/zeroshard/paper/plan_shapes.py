@@ -142,7 +142,9 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
                          f"--hf-config` gives its model states, or plan a decoder of its size with --params")
     layers, width = _key(config, "n_layer", "num_hidden_layers"), _key(config, "n_embd", "hidden_size")
     heads, vocab = _key(config, "n_head", "num_attention_heads"), _key(config, "vocab_size")
-    psi = hf_config_params(config)
+    units = model_units(model) if model is not None else None
+    psi = sum(units) if units else hf_config_params(config)  # (the causal LM's: `architectures` may
+    # name another head, which estimate counts)
     family = "gpt2" if "n_embd" in config or config.get("model_type") == "gpt2" else "llama"
     if family == "gpt2":
         shape = gpt2_shape(
@@ -169,9 +171,8 @@ def shape_from_hf(config: Mapping, name: str = "hf") -> Shape:
             bool(config.get("tie_word_embeddings", False)),
             psi,
         )
-    if model is not None:  # (its Ψ too: `architectures` may name another head, which estimate counts)
-        units = model_units(model)
-        shape = replace(shape, units=units, psi=sum(units), tied=_tied(model), **_experts(config, model))
+    if model is not None:
+        shape = replace(shape, units=units, tied=_tied(model), **_experts(config, model))
     return replace(shape, **_hf_block(config, family, model))
 
 
