@@ -227,32 +227,30 @@ def _hf_family(args: argparse.Namespace) -> dict | None:
         return json.load(f)
 
 
-def _mp_degrees(args: argparse.Namespace, shape, hw) -> tuple[list[int] | None, str]:
+def _mp_degrees(args: argparse.Namespace, hw) -> tuple[list[int] | None, str]:
     """The MP degrees to weigh (None: every one paper.plan.setups allows) and, where a Hugging Face
     model allows none above 1, why: `zeroshard train --tp` splits it by its own tensor-parallel
-    plan, which must be one zeroshard takes, and tp must divide its key/value heads too."""
+    plan, which must be one zeroshard takes."""
     if args.mp:
         degrees = [args.mp]
     elif hw.device == "cpu":
         return [1], ""
     else:
-        degrees = [m for m in (1, 2, 4, 8, 16, 32, 64)
-                   if m <= hw.per_node and hw.per_node % m == 0 and shape.heads % m == 0]
+        degrees = None
     config = _hf_family(args)
-    if config is None:
+    if config is None or degrees == [1]:
         return degrees, ""
     import zeroshard
     from zeroshard.paper.estimate import hf_meta_model
     from zeroshard.parallel import model_plan, plan_styles
 
     model = hf_meta_model(config, causal_lm=True)
-    if model is not None and degrees != [1]:
+    if model is not None:
         try:
             plan_styles(model_plan(model)[1])
         except zeroshard.ConfigError as e:
             return [1], f"--tp cannot split {config.get('model_type')!r}: {e}"
-    kv = config.get("num_key_value_heads") or shape.heads
-    return [m for m in degrees if kv % m == 0], ""
+    return degrees, ""
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -265,13 +263,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     local = _check(parser, args)
     shape = shape_of(parser, args, args.seq_len)
     hw, line = _hardware(parser, args, local)
-    if args.mp is not None and (hw.per_node % args.mp or shape.heads % args.mp):
-        parser.error(
-            f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads ({shape.heads})"
-        )
-    mps, why_mp_1 = _mp_degrees(args, shape, hw)
+    if args.mp is not None and (hw.per_node % args.mp or any(n % args.mp for n in shape.mp_divides)):
+        parser.error(f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads and "
+                     f"key/value heads ({' and '.join(map(str, shape.mp_divides))})")
+    mps, why_mp_1 = _mp_degrees(args, hw)
     if args.mp and args.mp not in mps:
-        parser.error(f"--mp {args.mp}: {why_mp_1 or 'it must divide the key/value heads'}")
+        parser.error(f"--mp {args.mp}: {why_mp_1}")
     if local:  # (after the input is checked: the reference runs take seconds the first time)
         from .plan_verify import with_engine
 

@@ -102,14 +102,14 @@ def setups(
     stages: list[int] | None = None,
 ) -> list[Setup]:
     """Every configuration to weigh. MP degrees: those given, else powers of 2 within a node that
-    divide the heads and leave a data-parallel degree that divides the global batch. Across nodes,
-    MiCS and hpZ too."""
+    divide the heads and key/value heads and leave a data-parallel degree that divides the global
+    batch. Across nodes, MiCS and hpZ too."""
     out = []
     if mps is None:
         mps = [
             m
             for m in (1, 2, 4, 8, 16, 32, 64)
-            if m <= hw.per_node and hw.per_node % m == 0 and shape.heads % m == 0
+            if m <= hw.per_node and hw.per_node % m == 0 and all(n % m == 0 for n in shape.mp_divides)
         ]
     for mp in mps:
         if hw.ranks % mp:

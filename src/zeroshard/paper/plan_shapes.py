@@ -29,6 +29,7 @@ class Shape:
     psi: int
     units: tuple[int, ...]
     tied: bool = True  # the output head shares the token embedding
+    kv_heads: int = 0  # grouped-query attention's key/value heads (0: one per head)
     # Mixture of experts: (E, k), a token routed to k of E experts; `idle`, the routed experts'
     # parameters its matmuls skip (all but k/E of them); `ffn` is then the MLP width a token passes
     # through (k experts' and any shared expert's)
@@ -45,6 +46,11 @@ class Shape:
     norm_fp32: bool = False
     dropout: bool = False
     attention_dropout: bool = False
+
+    @property
+    def mp_divides(self) -> tuple[int, int]:
+        """What an MP degree must divide: each rank holds whole heads and key/value heads."""
+        return self.heads, self.kv_heads or self.heads
 
     @property
     def mlp_wide(self) -> int:
@@ -109,6 +115,7 @@ def llama_shape(
         total,
         (total - layers * block,) + (block,) * layers,
         tied,
+        kv_heads or heads,
     )
 
 
