@@ -140,6 +140,14 @@ def test_model_states_equal_memory_stats_exactly(tmp_path):
         )
 
 
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory) -> str:
+    """One cache of this machine's calibration and engine reference for this module's CPU runs
+    (both fp32 on 2 ranks): the first run measures them, the next reads them, as a user's second
+    `zeroshard plan` would."""
+    return str(tmp_path_factory.mktemp("plan-cache"))
+
+
 def _plan(*args: str, cache: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_CACHE_HOME": cache}
     return subprocess.run(
@@ -152,7 +160,7 @@ def _plan(*args: str, cache: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_verified_peaks_within_20_percent(tmp_path):
+def test_verified_peaks_within_20_percent(plan_cache):
     """Three small configurations run here: the predicted total peak (host: one memory on a CPU
     group) within 20% of the measured peak RSS above the baseline."""
     done = _plan(
@@ -169,7 +177,7 @@ def test_verified_peaks_within_20_percent(tmp_path):
         "--verify-steps",
         "2",
         "--json",
-        cache=str(tmp_path),
+        cache=plan_cache,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -255,7 +263,7 @@ def test_bad_input_refused_by_name(tmp_path):
         assert "Traceback" not in done.stderr
 
 
-def test_write_loads_and_trains(tmp_path):
+def test_write_loads_and_trains(tmp_path, plan_cache):
     path = tmp_path / "ds_config.json"
     done = _plan(
         "--model",
@@ -268,7 +276,7 @@ def test_write_loads_and_trains(tmp_path):
         "fp32",
         "--write",
         str(path),
-        cache=str(tmp_path),
+        cache=plan_cache,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     config = zeroshard.Config.load(str(path))

@@ -35,6 +35,26 @@ def test_the_fit_recovers_known_rates_and_drops_a_negative_term():
     assert min(found) >= 0 and found[0] == pytest.approx(truth[0], rel=0.05)
 
 
+def test_the_fit_holds_when_the_matmuls_measured_slow_explain_more_than_a_whole_block():
+    """The calibration fits the block's other terms beside its matmuls at the measured matrix rate.
+    Measured a tenth slow, the matmuls alone exceed the two largest shapes' times: the rest is fitted
+    in the relative error of each block's whole time, so every shape stays within 15% and the
+    dispatch and elementwise terms keep their place (fitted to what the matmuls left, in its own
+    relative error, a remainder near 0 outweighed every other shape, and the fit gave 0 for all
+    three: the smallest shape predicted at a third of its time)."""
+    truth = [2e-3, 1 / 2e10, 1 / 2e8, 1 / 5e8]  # the matmuls nine tenths of the largest blocks
+    shapes = [(64, 64), (64, 1024), (256, 256), (512, 64), (512, 1024), (1024, 256)]
+    rows = [block_terms(w, t, 64) for w, t in shapes]
+    seconds = [sum(c * x for c, x in zip(truth, r)) for r in rows]
+    matmuls = [1.1 * truth[1] * r[1] for r in rows]  # the matrix rate measured a tenth slow
+    assert max(m / s for m, s in zip(matmuls, seconds)) > 1  # (so a remainder is below 0)
+    rest = [[r[0], r[2], r[3]] for r in rows]
+    found = fit(rest, seconds, matmuls)
+    assert found[0] > 0 and found[1] > 0, found  # the dispatch and elementwise terms kept
+    for r, s, m in zip(rest, seconds, matmuls):
+        assert m + sum(c * x for c, x in zip(found, r)) == pytest.approx(s, rel=0.15)
+
+
 def test_engine_costs_count_per_micro_batch_and_per_step():
     rates = replace(RATES, engine_fixed=0.01, engine_per_param=1e-8)
     one, four = (Setup(2, "bf16", micro_batch=2, accumulation=a, seq=64) for a in (1, 4))

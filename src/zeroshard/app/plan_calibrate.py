@@ -1,16 +1,17 @@
 """`zeroshard plan`'s calibration: this machine's rates, measured in a few seconds.
 
 - **A transformer block** (the built-in GPT's), forward and backward in the run's precision with
-  the threads one rank gets, at six (width, tokens) shapes, fitted by least squares (relative
-  error) to t = fixed + flops / matmul + activation elements / elementwise + parameters / weights: the
-  dispatch cost of a layer, the matrix rate (one large product, measured alone: at a CPU's small
-  shapes the elementwise work dominates and a fitted matrix rate is noise), the rate of the
-  elementwise work (norms, activation functions, softmax, casts) and of the per-parameter work
-  (reading weights, accumulating their gradients). One rate from one large matmul misjudges small
-  shapes several-fold; the fit holds within about 10% over the shapes measured. The same block
-  checkpointed (reentrant, as the engine's ZeRO-R checkpoint is) gives the share its recompute
-  adds: the median over the shapes. It is not the forward's third of the flops everywhere: on a
-  CPU in bf16 the backward's kernels are the slower ones, and a recompute adds less (docs/plan.md).
+  the threads one rank gets, at six (width, tokens) shapes, fitted by least squares (the relative
+  error of the block's time) to t = fixed + flops / matmul + activation elements / elementwise +
+  parameters / weights: the dispatch cost of a layer, the matrix rate (one large product, measured
+  alone: at a CPU's small shapes the elementwise work dominates and a fitted matrix rate is
+  noise), the rate of the elementwise work (norms, activation functions, softmax, casts) and of
+  the per-parameter work (reading weights, accumulating their gradients). One rate from one large
+  matmul misjudges small shapes several-fold; the fit holds within about 10% over the shapes
+  measured. The same block checkpointed (reentrant, as the engine's ZeRO-R checkpoint is) gives
+  the share its recompute adds: the median over the shapes. It is not the forward's third of the
+  flops everywhere: on a CPU in bf16 the backward's kernels are the slower ones, and a recompute
+  adds less (docs/plan.md).
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
   CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
 - **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
@@ -53,10 +54,16 @@ def block_terms(width: int, tokens: int, seq: int) -> list[float]:
     return [1.0, flops, tokens * (9 * width + 8 * width), 12.0 * width * width]
 
 
-def fit(rows: list[list[float]], seconds: list[float]) -> list[float]:
-    """Least squares in relative error, every coefficient >= 0 (a negative one is dropped and the
-    rest fitted again)."""
-    return least_squares([[x / s for x in r] for r, s in zip(rows, seconds)], [1.0] * len(rows))
+def fit(rows: list[list[float]], seconds: list[float], known: list[float] | None = None) -> list[float]:
+    """Coefficients c, every one >= 0 (a negative one is dropped and the rest fitted again), for
+    seconds ~ known + c . row, least squares in the relative error of the whole time. `known`: the
+    part already accounted for (the block's matmuls at the measured rate). The error is relative
+    to the whole, not to what `known` leaves: where the matmuls take nine tenths of a block, what
+    is left is the difference of two timings and swings with a few percent of noise in either
+    (even below 0), and fitted in its own relative error it would outweigh every other shape."""
+    known = known or [0.0] * len(rows)
+    return least_squares([[x / s for x in r] for r, s in zip(rows, seconds)],
+                         [1 - k / s for k, s in zip(known, seconds)])
 
 
 def least_squares(rows: list[list[float]], ys) -> list[float]:
@@ -84,7 +91,7 @@ def matmul_rate(dtype, device: str, sync) -> float:
     tokens, d = (8192, 4096) if device == "cuda" else (1024, 1024)
     a = torch.randn(tokens, d, device=device, dtype=dtype)
     b = torch.randn(d, 4 * d, device=device, dtype=dtype)
-    return 2 * tokens * d * 4 * d / timed(lambda: (a @ b, sync()), 3)
+    return 2 * tokens * d * 4 * d / timed(lambda: (a @ b, sync()), 5)
 
 
 def block_rates(dtype, device: str, sync) -> dict:
@@ -97,7 +104,7 @@ def block_rates(dtype, device: str, sync) -> dict:
     from .gpt import Block, GPTConfig
 
     matmul = matmul_rate(dtype, device, sync)
-    rows, seconds, shares, seq = [], [], [], SEQ[device]
+    rows, seconds, matmuls, shares, seq = [], [], [], [], SEQ[device]
     for width, tokens in GPU_SHAPES if device == "cuda" else CPU_SHAPES:
         block = Block(GPTConfig(layers=1, width=width, heads=max(1, width // 64), seq_len=seq))
         block = block.to(device=device, dtype=dtype)
@@ -105,10 +112,11 @@ def block_rates(dtype, device: str, sync) -> dict:
         once, flops, elements, params = block_terms(width, tokens, seq)
         plain = timed(lambda: (block(x).float().sum().backward(), sync()), 5)
         rerun = timed(lambda: (checkpoint(block, x, use_reentrant=True).float().sum().backward(), sync()), 5)
-        seconds.append(max(plain - flops / matmul, 1e-6))
+        seconds.append(plain)
+        matmuls.append(flops / matmul)
         rows.append([once, elements, params])
         shares.append(rerun / plain - 1)
-    c = fit(rows, seconds)
+    c = fit(rows, seconds, matmuls)
     inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
     return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1],
             "recompute": max(statistics.median(shares), 0.0)}

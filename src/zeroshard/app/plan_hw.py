@@ -64,7 +64,9 @@ def machine_key(precision: str, ranks: int) -> str:
 
 
 def calibration_path(precision: str, ranks: int) -> str:
-    return os.path.join(cache_dir(), f"calibration3-{machine_key(precision, ranks)}.json")
+    """The cache file of `calibrate`'s figures; its number changes when the figures are measured or
+    fitted differently, so that a cache written before is measured again rather than read."""
+    return os.path.join(cache_dir(), f"calibration4-{machine_key(precision, ranks)}.json")
 
 
 def calibrate(

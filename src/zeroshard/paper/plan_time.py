@@ -188,9 +188,9 @@ def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
         * pb
         / rates.mp_collective
     )
-    comm = dp_comm + mp_comm
     if s.checkpointing:  # the recomputed forward repeats its two all-reduces per layer
         mp_comm *= 1.5
+    comm = dp_comm + mp_comm
     owned = sum(sh if s.stage >= 1 else p for p, sh in shards(shape, s.mp, s.shard_degree(nproc)))
     off_opt = s.offload_optimizer != "none" and s.stage >= 1
     if off_opt:
