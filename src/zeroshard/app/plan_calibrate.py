@@ -8,10 +8,10 @@
   noise), the rate of the elementwise work (norms, activation functions, softmax, casts) and of
   the per-parameter work (reading weights, accumulating their gradients). One rate from one large
   matmul misjudges small shapes several-fold; the fit held within 5-17% over the shapes measured
-  (two bf16 calibrations on a 2-core CPU). The same block checkpointed (reentrant, as the engine's ZeRO-R checkpoint is) gives
-  the share its recompute adds: the median over the shapes. It is not the forward's third of the
-  flops everywhere: on a CPU in bf16 the backward's kernels are the slower ones, and a recompute
-  adds less (docs/plan.md).
+  (two bf16 calibrations on a 2-core CPU). The same block checkpointed (reentrant, as the
+  engine's ZeRO-R checkpoint is) gives the share its recompute adds: the median over the shapes.
+  It is not the forward's third of the flops everywhere: on a CPU in bf16 the backward's kernels
+  are the slower ones, and a recompute adds less (docs/plan.md).
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
   CPU, fused on a GPU) and on the host for offload (fused), in elements per second.
 - **Collectives** on a CPU group: `ranks` gloo processes time an all-reduce, a reduce-scatter and
