@@ -114,3 +114,15 @@ def test_mp_is_weighed_only_where_the_models_own_plan_can_split_it(tmp_path):
         mps, why = _mp_degrees(args, hw)
         weighed = sorted({s.mp for s in setups(shape_from_hf(config), hw, 64, 32, "bf16", mps)})
         assert weighed == degrees and words in why, (config["model_type"], weighed, why)
+
+
+def test_a_head_tied_by_its_class_default_is_counted_once():
+    """Gemma ties its head to the embedding by its config class's default, unwritten in config.json:
+    the head's matmul is then the embedding's one matrix, not left out of the flops."""
+    pytest.importorskip("transformers")
+    gemma = {**LLAMA, "model_type": "gemma", "head_dim": 16}
+    gemma.pop("tie_word_embeddings")
+    shape = shape_from_hf(gemma)
+    assert shape.tied and shape.psi == hf_config_params(gemma)
+    untied = shape_from_hf({**gemma, "tie_word_embeddings": False})
+    assert not untied.tied and untied.psi == shape.psi + 300 * 64

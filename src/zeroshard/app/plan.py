@@ -254,7 +254,7 @@ def _mp_degrees(args: argparse.Namespace, hw) -> tuple[list[int] | None, str]:
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from zeroshard.paper.plan import plan, smallest_change
+    from zeroshard.paper.plan import mp_splits, plan, smallest_change
     from .plan_report import config_of, paper_text, plan_json, table
 
     if args.paper:
@@ -263,7 +263,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     local = _check(parser, args)
     shape = shape_of(parser, args, args.seq_len)
     hw, line = _hardware(parser, args, local)
-    if args.mp is not None and (hw.per_node % args.mp or any(n % args.mp for n in shape.mp_divides)):
+    if args.mp is not None and not mp_splits(shape, hw, args.mp):
         parser.error(f"--mp {args.mp} must divide the GPUs per node ({hw.per_node}) and the heads and "
                      f"key/value heads ({' and '.join(map(str, shape.mp_divides))})")
     mps, why_mp_1 = _mp_degrees(args, hw)

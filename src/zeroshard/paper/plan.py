@@ -92,6 +92,12 @@ def misfit(p: Peak, hw: Hardware) -> str:
     return "; ".join(why)
 
 
+def mp_splits(shape: Shape, hw: Hardware, mp: int) -> bool:
+    """Whether `mp` ranks of a node can split the model: MP stays within a node, and each rank holds
+    whole heads and key/value heads."""
+    return hw.per_node % mp == 0 and all(n % mp == 0 for n in shape.mp_divides)
+
+
 def setups(
     shape: Shape,
     hw: Hardware,
@@ -106,11 +112,7 @@ def setups(
     batch. Across nodes, MiCS and hpZ too."""
     out = []
     if mps is None:
-        mps = [
-            m
-            for m in (1, 2, 4, 8, 16, 32, 64)
-            if m <= hw.per_node and hw.per_node % m == 0 and all(n % m == 0 for n in shape.mp_divides)
-        ]
+        mps = [m for m in (1, 2, 4, 8, 16, 32, 64) if mp_splits(shape, hw, m)]
     for mp in mps:
         if hw.ranks % mp:
             continue
