@@ -7,9 +7,9 @@
   alone: at a CPU's small shapes the elementwise work dominates and a fitted matrix rate is
   noise), the rate of the elementwise work (norms, activation functions, softmax, casts) and of
   the per-parameter work (reading weights, accumulating their gradients). One rate from one large
-  matmul misjudges small shapes several-fold; the fit held within 5-17% over the shapes measured
-  (two bf16 calibrations on a 2-core CPU). The same block checkpointed (reentrant, as the
-  engine's ZeRO-R checkpoint is) gives the share its recompute adds: the median over the shapes.
+  matmul misjudges small shapes several-fold; in two bf16 calibrations on a 2-core CPU the fit's
+  worst shape was 5% and 17% off. The same block checkpointed (reentrant, as the engine's ZeRO-R
+  checkpoint is) gives the share its recompute adds: the median over the shapes.
   It is not the forward's third of the flops everywhere: on a CPU in bf16 the backward's kernels
   are the slower ones, and a recompute adds less (docs/plan.md).
 - **The optimizer's step** as the engine runs it on the device (torch's AdamW: its default on a
