@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
-from zeroshard.app.plan_verify import REFERENCES, line, memory_terms, optimizer_step_s, reference_config
+from zeroshard.app.plan_verify import line, memory_terms, optimizer_step_s, reference_config
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import Setup, activations, disk_sub_groups, peak, pinned_rounding, states
 from zeroshard.paper.plan_shapes import gpt2_shape
@@ -159,34 +159,42 @@ def test_the_reference_line_fits_three_points_and_never_goes_negative():
     assert line([1.0, 2.0, 3.0], [1.0, 3.0, 5.0]) == pytest.approx((0.0, 2.0))
 
 
-def test_the_runtimes_bytes_per_token_come_from_the_two_medium_references():
+def test_the_runtimes_share_of_activations_comes_from_the_two_medium_references():
     """engine_reference's memory terms: the fixed part and the share per byte from the two smaller
-    runs, the share per token from what the medium run of 4 x 64 tokens grew beyond their line (the
-    medium run of 16 differs from it in its tokens alone), counted from 16 tokens; exact where the
-    residuals follow the terms. None below 0, and none on a GPU."""
-    fixed, per_byte, per_token = 2e7, 0.05, 5e4
-    tokens = [seq * batch for _, seq, batch in REFERENCES]
+    runs, the share per activation byte from what the medium run of 4 x 64 tokens grew beyond their
+    line (the medium run of 16 differs from it in its tokens alone), per byte of its activations
+    beyond 16 tokens'; exact where the residuals follow the terms. None below 0, and none on a GPU."""
+    fixed, per_byte, per_activation_byte = 2e7, 0.05, 0.4
+    excess = [0.0, 0.0, 0.0, 3e7]  # (the three runs of one 16-token sequence have none)
     predicted = [3e6, 1.1e8, 5.6e8, 1.3e8]
-    grown = [p + fixed + per_byte * p + per_token * (t - 16) for p, t in zip(predicted, tokens)]
-    found = memory_terms(predicted, grown, gpu=False)
-    assert found == pytest.approx((fixed - per_token * 16, per_byte, per_token))
-    # weigh's runtime at the references' 16 tokens is the line's; at 256 it is the medium run's residual
-    at = [found[0] + found[1] * p + found[2] * t for p, t in zip(predicted, tokens)]
-    assert at[1] == pytest.approx(grown[1] - predicted[1]) and at[3] == pytest.approx(grown[3] - predicted[3])
+    grown = [p + fixed + per_byte * p + per_activation_byte * e for p, e in zip(predicted, excess)]
+    found = memory_terms(predicted, grown, excess, gpu=False)
+    assert found == pytest.approx((fixed, per_byte, per_activation_byte))
     fewer = grown[:3] + [predicted[3] + fixed + per_byte * predicted[3] - 1e6]  # grew less: no share
-    assert memory_terms(predicted, fewer, gpu=False) == pytest.approx((fixed, per_byte, 0.0))
-    assert memory_terms(predicted, grown, gpu=True)[2] == 0.0
+    assert memory_terms(predicted, fewer, excess, gpu=False) == pytest.approx((fixed, per_byte, 0.0))
+    assert memory_terms(predicted, grown, excess, gpu=True)[2] == 0.0
 
 
-def test_a_micro_batchs_tokens_join_the_runtimes_bytes_on_the_host():
-    from zeroshard.paper.plan import Hardware, weigh
+def test_a_micro_batchs_activations_join_the_runtimes_bytes_on_the_host():
+    """weigh's runtime: the share per activation byte applies to the micro-batch's activations
+    beyond one 16-token sequence's, so it grows with the model's depth (and width and vocabulary) at
+    the same tokens, where a share per token would not; at 16 tokens it is the references' line;
+    checkpointing leaves it as it is."""
+    from zeroshard.paper.plan import Hardware, activation_excess, weigh
 
     hw = Hardware(nodes=1, per_node=2, device_bytes=8e9, host_bytes=64e9, disk_bytes=0.0, rates=RATES,
                   device="cpu", runtime_bytes=1e7)
     s = Setup(1, "fp32", micro_batch=4, seq=64)
-    plain, more = weigh(SHAPE, s, hw), weigh(SHAPE, s, replace(hw, runtime_per_token=1e4))
-    assert more.peak.host - plain.peak.host == pytest.approx(1e4 * 4 * 64)
-    assert more.peak.parts["runtime"] == pytest.approx(1e7 + 1e4 * 256)
+    plain, more = weigh(SHAPE, s, hw), weigh(SHAPE, s, replace(hw, runtime_per_activation_byte=0.5))
+    excess = sum(activations(SHAPE, s)) - sum(activations(SHAPE, replace(s, micro_batch=1, seq=16)))
+    assert activation_excess(SHAPE, s) == pytest.approx(excess) and excess > 0
+    assert more.peak.host - plain.peak.host == pytest.approx(0.5 * excess)
+    assert more.peak.parts["runtime"] == pytest.approx(1e7 + 0.5 * excess)
+    deeper = replace(SHAPE, layers=2 * SHAPE.layers)
+    assert activation_excess(deeper, s) > 1.8 * excess
+    assert activation_excess(SHAPE, replace(s, micro_batch=1, seq=16)) == 0.0
+    # a recompute allocates the block's tensors again: checkpointing keeps fewer, not fewer made
+    assert activation_excess(SHAPE, replace(s, checkpointing=True)) == pytest.approx(excess)
 
 
 @pytest.mark.parametrize("family", [
@@ -302,6 +310,26 @@ def test_a_gpu_peak_holds_no_gradient_at_backwards_start_at_stage_3():
     # a CPU's heap keeps what backward frees: there everything adds, gradients included
     cpu = peak(SHAPE, one, 1, "cpu")
     assert cpu.host >= states(SHAPE, one, 1).device + kept + cpu.parts["transient"]
+
+
+def test_the_steps_fp32_gradient_copy_is_counted_only_where_one_is_made():
+    """The step's fp32 gradient of a sub-group (flat_grad.set_step_grad) is a copy only where the
+    reduced gradient is 16-bit: in fp32, and at stages 2-3 with accumulation (an fp32 shard), the
+    optimizer steps on it as it is. Beside it, the optimizer's temporaries (4 bytes an owned element)
+    always, on a GPU and on a CPU group alike."""
+    def step(setup, nproc, device):
+        return peak(SHAPE, setup, nproc, device).parts["step"]
+
+    owned = sum(shard for _, shard in plan_memory.shards(SHAPE, 1, 2))
+    plain = Setup(2, "bf16", micro_batch=2, seq=64)
+    assert step(plain, 2, "cuda") == 8 * owned  # the copy and the temporaries
+    assert step(replace(plain, accumulation=2), 2, "cuda") == 4 * owned  # an fp32 shard: no copy
+    assert step(replace(plain, precision="fp32"), 2, "cuda") == 4 * owned
+    assert step(plain, 2, "cpu") == 8 * owned
+    assert step(replace(plain, accumulation=2), 2, "cpu") == 4 * owned
+    whole = sum(padded for padded, _ in plan_memory.shards(SHAPE, 1, 2))
+    assert step(replace(plain, stage=0), 2, "cpu") == 8 * whole  # stage 0 owns the whole buffer
+    assert step(replace(plain, stage=0, precision="fp32"), 2, "cpu") == 4 * whole
 
 
 def test_pinned_host_buffers_count_at_the_next_power_of_two():

@@ -10,11 +10,10 @@ host is the peak RSS above the baseline (train.worker: /proc/self/status, the mo
 The baseline is taken once the rank's libraries are loaded and its process group is up;
 what the runtime itself then adds (the data, the libraries' workspaces) is not modelled: it is the
 reference runs' measured growth against their predicted peaks (engine_reference, in the model's
-own family: a fixed part, an overhead per byte and one per token of the micro-batch; and the
-engine's own step costs beside plain torch's), measured once per machine and applied to the
-prediction, cached beside the calibration. Step
-time: the median over optimizer steps (the first left out) of the sum of their micro-batches'
-times."""
+own family: a fixed part, an overhead per byte and one per byte of the micro-batch's activations;
+and the engine's own step costs beside plain torch's), measured once per machine and applied to
+the prediction, cached beside the calibration. Step time: the median over optimizer steps (the
+first left out) of the sum of their micro-batches' times."""
 
 from __future__ import annotations
 
@@ -128,8 +127,8 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     - memory, through the tiny and medium runs: measured growth = fixed + (1 + per_byte) x
       predicted peak: the runtime's fixed bytes (the corpus, the libraries' workspaces, less what
       the process had already peaked at before its baseline) and the allocator's overhead per
-      byte (freed memory it keeps); and, through the medium run of 4 x 64 tokens, per_token x the
-      micro-batch's tokens beyond 16 (memory_terms);
+      byte (freed memory it keeps); and, through the medium run of 4 x 64 tokens, a share per
+      byte of the micro-batch's activations beyond 16 tokens' (memory_terms);
     - time, least squares through all four (no term below 0): measured step = predicted +
       step_fixed + step_per_param x Ψ + token_scale x the token work: the engine's own work (its
       hooks and bookkeeping, the gradients landing in its flat buffers, the casts around the step)
@@ -142,7 +141,7 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     taken at the first kernels) is the device's fixed part.
     Measured once per machine, precision and rank count (cached, and again when the rates are
     calibrated again); never fitted to the configurations a plan weighs or verifies."""
-    from zeroshard.paper.plan import weigh
+    from zeroshard.paper.plan import activation_excess, weigh
     from zeroshard.paper.plan_memory import Setup
     from zeroshard.paper.plan_shapes import gpt2_shape, shape_from_hf
     from zeroshard.paper.plan_time import token_time
@@ -178,14 +177,16 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
         points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
                        optimizer_step_s(result["step_s_each"], 1) - p.time.total,
                        token_time(ref, setup, hw.rates),
-                       float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"])))
-    predicted, grown, psis, residuals, token_work, device_residuals = zip(*points)
-    fixed, per_byte, per_token = memory_terms(predicted, grown, gpu)
+                       float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"]),
+                       activation_excess(ref, setup)))
+    predicted, grown, psis, residuals, token_work, device_residuals, excess = zip(*points)
+    fixed, per_byte, per_activation_byte = memory_terms(predicted, grown, excess, gpu)
     terms = [[1.0, psi, t] for psi, t in zip(psis, token_work)]
     step_fixed, per_param, token_scale = least_squares(terms, residuals) if not gpu else (0.0, 0.0, 0.0)
     # a GPU's own fixed bytes (the math libraries' workspaces) are the same in both runs: their mean
     device_fixed = max(0.0, statistics.mean(device_residuals)) if gpu else 0.0
-    found = {"fixed": fixed, "per_byte": per_byte, "per_token": per_token, "step_fixed": step_fixed,
+    found = {"fixed": fixed, "per_byte": per_byte, "per_activation_byte": per_activation_byte,
+             "step_fixed": step_fixed,
              "step_per_param": per_param, "token_scale": token_scale, "device_fixed": device_fixed,
              "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -194,23 +195,23 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     return found
 
 
-def memory_terms(predicted, grown, gpu: bool) -> tuple[float, float, float]:
-    """(fixed, per_byte, per_token) of the runtime's bytes from the references' predicted and
-    measured peaks (REFERENCES' order). The line through the two smaller runs gives the fixed part
-    and the share per byte (the large one's stage-0 step leaves glibc's heap holes of its own, about
-    a sub-group's temporaries, counted in the prediction, that would tilt it). The medium run of 4 x
-    64 tokens differs from the medium run of 16 in its tokens alone: what it grew beyond the line is
-    the micro-batch's tokens' share (none below 0), counted from the 16 tokens the line's runs
-    held. A GPU's references are the two smaller runs: no share per token there (the host holds
-    no activations)."""
+def memory_terms(predicted, grown, excess, gpu: bool) -> tuple[float, float, float]:
+    """(fixed, per_byte, per_activation_byte) of the runtime's bytes from the references'
+    predicted and measured peaks and their activation bytes beyond 16 tokens' (`excess`,
+    plan.activation_excess; REFERENCES' order). The line through the two smaller runs gives the
+    fixed part and the share per byte (the large one's stage-0 step leaves glibc's heap holes of its
+    own, about a sub-group's temporaries, counted in the prediction, that would tilt it). The medium
+    run of 4 x 64 tokens differs from the medium run of 16 in its tokens alone: what it grew beyond
+    the line, per byte of its activations beyond the 16 tokens' (none below 0), is the share of a
+    micro-batch's activations. Per byte rather than per token, so that a model of another width,
+    depth or vocabulary than the reference's takes its own share. A GPU's references are the two
+    smaller runs: no share there (the host holds no activations)."""
     residuals = [g - p for p, g in zip(predicted, grown)]
     fixed, per_byte = line(predicted[:2], residuals[:2])
     if gpu:
         return fixed, per_byte, 0.0
-    (_, seq, batch), (_, more_seq, more_batch) = REFERENCES[1], REFERENCES[3]
     beyond = residuals[3] - (fixed + per_byte * predicted[3])
-    per_token = max(0.0, beyond / (more_seq * more_batch - seq * batch))
-    return fixed - per_token * seq * batch, per_byte, per_token
+    return fixed, per_byte, max(0.0, beyond / excess[3])
 
 
 def line(xs, ys) -> tuple[float, float]:
@@ -267,7 +268,7 @@ def with_engine(hw, precision: str, again: bool = False, family: dict | None = N
     rates = replace(hw.rates, engine_fixed=found["step_fixed"], engine_per_param=found["step_per_param"],
                     engine_token_scale=found["token_scale"])
     return replace(hw, rates=rates, runtime_bytes=found["fixed"], runtime_per_byte=found["per_byte"],
-                   runtime_per_token=found["per_token"])
+                   runtime_per_activation_byte=found["per_activation_byte"])
 
 
 def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .estimate import GIB
-from .plan_memory import Peak, Setup, peak
+from .plan_memory import Peak, Setup, activations, peak
 from .plan_shapes import Shape, gpt2_shape
 from .plan_time import Rates, StepTime, model_flops, step_time
 
@@ -49,9 +49,12 @@ class Hardware:
     # engine_reference): a fixed part, and a share of the predicted peak (freed memory kept)
     runtime_bytes: float = 0.0
     runtime_per_byte: float = 0.0
-    # and a share per token of the micro-batch: what its tokens leave in glibc's heap beyond the
-    # activations the model counts (a Hugging Face family's more than the built-in GPT's)
-    runtime_per_token: float = 0.0
+    # and a share of the micro-batch's activation bytes beyond one sequence of 16 tokens': what its
+    # tokens leave in glibc's heap beyond the activations the model counts (a Hugging Face family's
+    # more than the built-in GPT's). Per activation byte, not per token: the references that
+    # measure it are one width, depth and vocabulary, and what a token leaves grows with each
+    # (activation_excess)
+    runtime_per_activation_byte: float = 0.0
     # on a GPU, what the device holds beyond the model's bytes (measured likewise): the math
     # libraries' workspaces, taken through the caching allocator at the first kernels
     device_runtime_bytes: float = 0.0
@@ -142,11 +145,21 @@ def _within_nodes(s: Setup, hw: Hardware) -> list[Setup]:
     return out + ([replace(s, hpz=hw.per_node)] if s.stage == 3 else [])
 
 
+def activation_excess(shape: Shape, setup: Setup) -> float:
+    """A micro-batch's activation bytes (kept and transient) beyond one sequence of 16 tokens':
+    what Hardware.runtime_per_activation_byte applies to (the references' line holds 16 tokens).
+    Counted as without checkpointing: a recompute allocates the same tensors again, block by block,
+    and what they leave in the heap is what the share measures, not what stays alive."""
+    plain = replace(setup, checkpointing=False)
+    one = replace(plain, micro_batch=1, seq=16)
+    return max(0.0, sum(activations(shape, plain)) - sum(activations(shape, one)))
+
+
 def weigh(shape: Shape, setup: Setup, hw: Hardware) -> Plan:
     p = peak(shape, setup, hw.ranks, hw.device)
-    if hw.runtime_bytes or hw.runtime_per_byte or hw.runtime_per_token:
-        tokens = setup.micro_batch * setup.seq
-        runtime = max(0.0, hw.runtime_bytes + hw.runtime_per_byte * p.host + hw.runtime_per_token * tokens)
+    if hw.runtime_bytes or hw.runtime_per_byte or hw.runtime_per_activation_byte:
+        runtime = max(0.0, hw.runtime_bytes + hw.runtime_per_byte * p.host
+                      + hw.runtime_per_activation_byte * activation_excess(shape, setup))
         p = replace(p, host=p.host + runtime, parts={**p.parts, "runtime": runtime})
     if hw.device_runtime_bytes:
         on_device = hw.device_runtime_bytes

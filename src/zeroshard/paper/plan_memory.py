@@ -10,8 +10,8 @@ buffer is taken as split evenly over the MP ranks (the paper's assumption).
 
 Beside them, per rank: activations (what a transformer block saves for backward, ZeRO-R's
 checkpoints instead with activation checkpointing), the step's temporaries (a gathered unit and its
-prefetched neighbour, a full-size unit gradient, the fp32 gradient of one sub-group, the optimizer's
-per-element temporaries) and a fragmentation allowance. Pure arithmetic.
+prefetched neighbour, a full-size unit gradient, the fp32 gradient copy of one sub-group where one
+is made, the optimizer's per-element temporaries) and a fragmentation allowance. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -291,11 +291,14 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
     owned = sum(s if setup.stage >= 1 else p for p, s in sh)
     step_group = min(owned, SUB_GROUP_SIZE)
     off_opt = setup.offload_optimizer != "none" and setup.stage >= 1
-    # the step: the fp32 gradient of one sub-group, and the optimizer's per-element temporaries. On
-    # a CPU torch's default Adam steps one tensor at a time (two fp32 temporaries of one buffer), but
-    # its first step creates each tensor's state between that tensor's temporaries, and glibc does
-    # not get the holes back: about a sub-group's worth stays resident (measured with mallinfo2)
-    step = 4 * step_group * (2 if not off_opt else 1)
+    # the step: the fp32 gradient of one sub-group (none where the reduced gradient is fp32 already:
+    # the optimizer steps on it as it is, flat_grad.set_step_grad), and the optimizer's per-element
+    # temporaries. On a CPU torch's default Adam steps one tensor at a time (two fp32 temporaries of
+    # one buffer), but its first step creates each tensor's state between that tensor's temporaries,
+    # and glibc does not get the holes back: about a sub-group's worth stays resident (measured with
+    # mallinfo2)
+    copy = 4 * step_group if _grad_bytes(setup) != 4 and not off_opt else 0
+    step = 4 * step_group + copy
     # hpZ: from a unit's forward to its backward, its secondary shard (over hpz ranks) stays
     secondary = pb * sum(part for _, part in shards(shape, setup.mp, setup.hpz)) if setup.hpz else 0
     freed, on_step = transient + temp, step if not off_opt else 0
