@@ -186,9 +186,8 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     # a GPU's own fixed bytes (the math libraries' workspaces) are the same in both runs: their mean
     device_fixed = max(0.0, statistics.mean(device_residuals)) if gpu else 0.0
     found = {"fixed": fixed, "per_byte": per_byte, "per_activation_byte": per_activation_byte,
-             "step_fixed": step_fixed,
-             "step_per_param": per_param, "token_scale": token_scale, "device_fixed": device_fixed,
-             "references": points}
+             "step_fixed": step_fixed, "step_per_param": per_param, "token_scale": token_scale,
+             "device_fixed": device_fixed, "references": points}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(found, f)
