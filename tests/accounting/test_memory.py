@@ -242,6 +242,41 @@ def test_a_shared_gather_bucket_is_freed_when_copied_out():
     spawn(_staging_freed, 2)
 
 
+def test_a_reduction_stages_a_copy_only_where_the_layout_or_dtype_needs_one():
+    """comm/buckets.py's invariant: a gradient of one chunk in its own reduction dtype goes over the
+    wire as it is, also where its shard is added to the fp32 one held under accumulation (stages
+    2-3) or converted into it: a staged copy there would be one more full-size buffer per unit.
+    Several chunks, or another dtype, are staged. Two ranks with the same gradient are played by
+    a stand-in Comm: each receives twice its part of the halved gradient."""
+    from types import SimpleNamespace
+
+    from zeroshard.comm.buckets import reduce_scatter_mean
+    sent, staged = [], []
+
+    def reduce_scatter(out, wire, async_op=False, **_):
+        sent.append(wire)
+        out.copy_(wire.view(2, -1)[0] * 2)
+
+    comm = SimpleNamespace(world_size=2, zeropp=None, staged=staged.append, reduce_scatter=reduce_scatter)
+    for grad_dtype in (torch.bfloat16, torch.float32):
+        full = torch.arange(8, dtype=grad_dtype)
+        held = torch.ones(4)
+        reduce_scatter_mean(comm, held, full.clone(), [(0, 4)], grad_dtype, accumulate=True)
+        assert held.tolist() == [1, 2, 3, 4] and sent[-1].dtype == grad_dtype and not staged
+        first = torch.empty(4)  # the first micro-batch: converted into the fp32 shard
+        reduce_scatter_mean(comm, first, full.clone(), [(0, 4)], grad_dtype, accumulate=False)
+        assert first.tolist() == [0, 1, 2, 3] and not staged
+    full = torch.arange(8, dtype=torch.bfloat16)
+    kept = full.clone()
+    reduce_scatter_mean(comm, torch.zeros(4), kept, [(0, 4)], torch.bfloat16, accumulate=True)
+    assert sent[-1] is kept  # the caller's buffer itself, consumed
+    held = torch.zeros(4)
+    reduce_scatter_mean(comm, held, full.clone(), [(0, 2), (2, 4)], torch.bfloat16, accumulate=True)
+    assert held.tolist() == [0, 1, 2, 3] and len(staged) == 2  # two chunks: each staged
+    reduce_scatter_mean(comm, torch.zeros(4), full.clone(), [(0, 4)], torch.float32, accumulate=True)
+    assert len(staged) == 3 and sent[-1].dtype == torch.float32  # reduced in another dtype: staged
+
+
 @pytest.mark.skipif(not heap.can_release() or heap.status_bytes("VmRSS") is None, reason="glibc and /proc")
 def test_freed_heap_pages_go_back_to_the_os():
     """Holes between live heap blocks stay resident until released: release_free_host_memory gives

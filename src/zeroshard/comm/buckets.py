@@ -15,7 +15,7 @@ reduce_scatter, all_reduce) they call: only collectives.py calls torch.distribut
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -92,9 +92,21 @@ def gather_together(comm: Comm, fulls: list[torch.Tensor], shards: list[torch.Te
         complete(pending)
     return pending
 
+def _destination(target: torch.Tensor, dtype: torch.dtype,
+                 accumulate: bool) -> tuple[torch.Tensor, Callable[[], object] | None]:
+    """Where a reduction in `dtype` lands for `target`, and what then follows: straight into its
+    place (no second buffer, no copy), or apart and then added or converted."""
+    if not accumulate and target.dtype == dtype:
+        return target, None
+    reduced = torch.empty(target.numel(), dtype=dtype, device=target.device)
+    then = (lambda: target.add_(reduced)) if accumulate else (lambda: target.copy_(reduced))
+    return reduced, then
+
+
 def reduce_scatter_mean(comm: Comm, out: torch.Tensor, full: torch.Tensor, chunks: list[tuple[int, int]],
                         dtype: torch.dtype, accumulate: bool, async_op: bool = False) -> Pending:
-    """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`."""
+    """out (+)= this rank's shard of the mean over ranks of `full`, reduced in `dtype`. `full` is
+    consumed: it may be divided in place and reduced from."""
     pending: Pending = []
     n = comm.world_size
     if n == 1 and _exact_in(full, dtype):  # (`full` converted into `out` in one pass, no bucket)
@@ -103,22 +115,17 @@ def reduce_scatter_mean(comm: Comm, out: torch.Tensor, full: torch.Tensor, chunk
     if n > 1 and comm.zeropp is not None and comm.zeropp.grad_bits:  # qgZ: whole, quantized
         reduce_scatter_quantized(comm, out, full, accumulate)
         return pending
-    if len(chunks) == 1 and not accumulate and full.dtype == dtype == out.dtype:
-        _mean_part(full, n)
-        # In place when `out` aliases its slice of `full`, which stays referenced until done.
-        pending.append((comm.reduce_scatter(out, full, async_op), None, full))
+    if len(chunks) == 1 and full.dtype == dtype:  # `full` (the caller's to consume) is the bucket:
+        # no staged copy, which with accumulation at stages 2-3 would be one more full-size buffer a
+        # unit; it stays referenced until done. In place when `out` aliases its slice of `full`.
+        reduced, then = _destination(out, dtype, accumulate)
+        pending.append((comm.reduce_scatter(reduced, _mean_part(full, n), async_op), then, full))
     else:
         rows = full.view(n, -1)
         for i, (a, b) in enumerate(chunks):  # one column block of every rank's part, converted
             bucket = _mean_part(rows[:, a:b].to(dtype, copy=True).contiguous().view(-1), n)
             comm.staged(bucket)
-            target = out[a:b]
-            if accumulate or target.dtype != dtype:  # reduced apart, then added or converted
-                reduced = torch.empty(b - a, dtype=dtype, device=full.device)
-                then = (lambda t=target, r=reduced: t.add_(r)) if accumulate else \
-                    (lambda t=target, r=reduced: t.copy_(r))
-            else:  # straight into its place: no second buffer, no copy
-                reduced, then = target, None
+            reduced, then = _destination(out[a:b], dtype, accumulate)
             pending.append((comm.reduce_scatter(reduced, bucket, async_op, bucket=i), then, bucket))
     if not async_op:
         complete(pending)
