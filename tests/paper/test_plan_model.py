@@ -108,16 +108,21 @@ def test_the_calibration_measures_what_a_recompute_adds_to_a_block():
     assert rates_of(full, cuda=False).recompute == figures["recompute"]
 
 
-def test_on_a_cpu_stage_2_reuses_two_gradient_buffers_unless_something_is_allocated_between():
-    """Beyond stage 1's, stage 2 holds units' full-size gradients until their reduce-scatters: on a
-    CPU two in flight, glibc reusing a freed one for the next unit's, unless each unit's backward
-    allocates first (checkpointing's recompute): then every unit's stays a hole until the step."""
+def test_on_a_cpu_stages_1_2_reuse_two_buffers_unless_something_is_allocated_between():
+    """On a CPU group gloo's reduce-scatter receives a full-size buffer (stages 1-3), and stage 2
+    also holds units' full-size gradients until their reduce-scatters: two of each in flight, glibc
+    reusing a freed one for the next unit's, unless each unit's backward allocates first
+    (checkpointing's recompute, stage 3's gather): then every unit's stays a hole until the step."""
     full = [p for p, _ in plan_memory.shards(SHAPE, 1, 2)]
     gb = 2  # bf16 gradients
     for checkpointing, held in ((False, 2 * max(full)), (True, sum(full))):
-        one, two = (peak(SHAPE, Setup(st, "bf16", checkpointing=checkpointing, micro_batch=2, seq=64), 2,
-                         "cpu") for st in (1, 2))
-        assert two.parts["transient"] - one.parts["transient"] == pytest.approx(gb * held)
+        zero, one, two = (peak(SHAPE, Setup(st, "bf16", checkpointing=checkpointing, micro_batch=2, seq=64),
+                               2, "cpu") for st in (0, 1, 2))
+        assert one.parts["transient"] - zero.parts["transient"] == pytest.approx(gb * held)  # received
+        assert two.parts["transient"] - one.parts["transient"] == pytest.approx(gb * held)  # gradients
+    three = peak(SHAPE, Setup(3, "bf16", micro_batch=2, seq=64), 2, "cpu").parts["transient"]
+    gathered = 2 * (full[0] + 2 * max(full[1:]))
+    assert three - gathered - zero.parts["transient"] == pytest.approx(2 * gb * sum(full))
     assert 2 * max(full) < sum(full)  # (the two counts differ for this model)
 
 

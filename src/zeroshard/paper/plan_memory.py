@@ -273,18 +273,17 @@ def peak(shape: Shape, setup: Setup, nproc: int, device: str = "cuda") -> Peak:
         temp += pb * (sh[0][0] + 2 * max((p for p, _ in sh[1:]), default=0))
     # A unit's full-size gradient until its reduce-scatter is done (stages 2-3; at most two in flight,
     # core/reduce.py), and on a CPU group gloo's reduce-scatter, an all-to-all that receives a
-    # full-size buffer (comm/gloo.py, stages 1-3). On a CPU glibc reuses a freed gradient buffer for
-    # the next unit's where nothing is allocated between (stage 2 without checkpointing); where each
-    # unit's backward allocates first (stage 3's gather, a recompute) every unit's stays a hole in the
-    # heap until the step ends (core/heap.py), which the references' stage-0 runs do not see.
-    if setup.stage >= 2 and device != "cpu":
-        temp += gb * largest_padded
-    elif setup.stage == 2 and not setup.checkpointing:
-        temp += gb * 2 * largest_padded
-    elif setup.stage >= 2:
-        temp += gb * sum(p for p, _ in sh)
+    # full-size buffer, freed once summed (comm/gloo.py, stages 1-3). On a CPU glibc reuses a freed
+    # buffer for the next unit's where nothing else large is allocated between (stages 1-2 without
+    # checkpointing: two in flight, the reductions overlapping backward); where each unit's backward
+    # allocates first (stage 3's gather, a recompute) every unit's stays a hole in the heap until the
+    # step ends (core/heap.py), which the references' stage-0 runs do not see.
+    reused = setup.stage in (1, 2) and not setup.checkpointing
+    holes = 2 * largest_padded if reused else sum(p for p, _ in sh)
+    if setup.stage >= 2:
+        temp += gb * (largest_padded if device != "cpu" else holes)
     if setup.stage >= 1 and device == "cpu":
-        temp += gb * sum(p for p, _ in sh)
+        temp += gb * holes
     if setup.stage >= 2 and setup.accumulation > 1:  # a reduction adding to the held fp32 shard
         # receives into a shard-size buffer of its own first (comm/buckets.py): two in flight
         temp += gb * 2 * max(part for _, part in sh)
