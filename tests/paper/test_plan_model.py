@@ -120,10 +120,10 @@ def test_on_a_cpu_stages_1_2_reuse_two_buffers_unless_something_is_allocated_bet
                                2, "cpu") for st in (0, 1, 2))
         assert one.parts["transient"] - zero.parts["transient"] == pytest.approx(gb * held)  # received
         assert two.parts["transient"] - one.parts["transient"] == pytest.approx(gb * held)  # gradients
-    zero, three = (peak(SHAPE, Setup(st, "bf16", micro_batch=2, seq=64), 2, "cpu").parts["transient"]
-                   for st in (0, 3))
+    stage0, stage3 = (peak(SHAPE, Setup(st, "bf16", micro_batch=2, seq=64), 2, "cpu").parts["transient"]
+                      for st in (0, 3))
     gathered = 2 * (full[0] + 2 * max(full[1:]))  # bf16 units: the root and two others
-    assert three - gathered - zero == pytest.approx(2 * gb * sum(full))  # received and gradients
+    assert stage3 - gathered - stage0 == pytest.approx(2 * gb * sum(full))  # received and gradients
     assert 2 * max(full) < sum(full)  # (the two counts differ for this model)
 
 
