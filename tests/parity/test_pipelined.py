@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -135,6 +136,28 @@ def _trace(rank: int, world_size: int) -> None:
 
 def test_the_next_forward_waits_for_each_buffer_alone():
     spawn(_trace, 2)
+
+
+def _scheduler_after_a_slow_first_update(rank: int, world_size: int) -> None:
+    """The lr scheduler steps right after engine.step(), while the pipelined update may not have
+    begun on its worker: torch must not take that for a scheduler stepped before its optimizer."""
+    run = pipeline_module.PipelinedUpdate._run
+
+    def late(self, *args):
+        time.sleep(0.3)
+        return run(self, *args)
+    pipeline_module.PipelinedUpdate._run = late
+    engine = _engine({"zero_optimization": {"stage": 2, **OFFLOAD}}, pipelined=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(engine, rank, world_size, range(2))
+        engine.wait_for_parameters()
+    assert engine.pipeline.started == 2 and engine.lr_scheduler.last_epoch == 2
+    assert not [w.message for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_no_scheduler_warning_while_the_first_update_is_pending():
+    spawn(_scheduler_after_a_slow_first_update, 1)
 
 
 def _checkpoint_and_failure(rank: int, world_size: int, root: str) -> None:

@@ -93,6 +93,9 @@ class PipelinedUpdate:
             f.begin_update(pending)
         self.order, self._step = list(trainable), step
         self.started += 1
+        # marked here, not only by the worker's first update: the caller's lr scheduler steps next,
+        # and torch warns ("lr_scheduler.step() before optimizer.step()") where the mark is not yet set
+        optimizer._opt_called = True
         after = None  # the uploads follow what was issued before the step, not the next forward
         if self.device.type == "cuda":
             after = torch.cuda.Event()
