@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
-from zeroshard.app.plan_verify import line, memory_terms, optimizer_step_s, reference_config
+from zeroshard.app.plan_verify import line, memory_terms, optimizer_step_s, out_of_order, \
+    reference_config, steps_in_order
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import Setup, activations, disk_sub_groups, peak, pinned_rounding, states
 from zeroshard.paper.plan_shapes import gpt2_shape
@@ -127,7 +128,7 @@ def test_on_a_cpu_stages_1_2_reuse_two_buffers_unless_something_is_allocated_bet
     assert 2 * max(full) < sum(full)  # (the two counts differ for this model)
 
 
-def test_the_reference_fit_solves_three_terms_and_drops_a_negative_one():
+def test_the_reference_fit_solves_three_terms_and_drops_negative_ones():
     """engine_reference's fit of the step residuals (fixed + per parameter + token scale): exact
     where the residuals follow the terms; a term whose coefficient comes out negative (noise) is
     0 and the others are fitted again."""
@@ -138,6 +139,28 @@ def test_the_reference_fit_solves_three_terms_and_drops_a_negative_one():
     falling = [0.02, 0.019, 0.018, 0.02]  # falls with Ψ: no per-parameter term
     found = least_squares(rows, falling)
     assert found[1] == 0.0 and min(found) >= 0
+    assert least_squares(rows, [-0.01, -0.02, -0.01, -0.03]) == [0.0, 0.0, 0.0]  # all below 0: none
+
+
+def test_a_reference_run_timed_out_of_order_is_found():
+    """engine_reference measures again the reference whose step contradicts the others' order (a
+    busy machine for the length of one run): the medium run slower than the large one here."""
+    predicted = [0.01, 0.05, 0.25, 0.20]  # tiny, medium, large (16 tokens), medium (4 x 64)
+    assert out_of_order(predicted, [0.012, 0.06, 0.27, 0.22]) is None
+    assert out_of_order(predicted, [0.012, 0.06, 0.22, 0.23]) is None  # (within the slack)
+    assert out_of_order(predicted, [0.012, 0.565, 0.23, 0.22]) == 1
+    assert out_of_order(predicted, [0.3, 0.06, 0.27, 0.22]) == 0
+
+    def point(predicted_s, measured_s):  # engine_reference's: residual 4th, predicted step last
+        return (0.0, 0.0, 0, measured_s - predicted_s, 0.0, 0.0, 0.0, predicted_s)
+    references = [("tiny", 16, 1), ("medium", 16, 1), ("large", 16, 1), ("medium", 64, 4)]
+    busy = [point(p, m) for p, m in zip(predicted, [0.012, 0.565, 0.23, 0.22])]
+    again = []
+    quiet = lambda size, seq, batch: again.append(size) or point(0.05, 0.06)  # noqa: E731
+    assert steps_in_order(busy, references, quiet) and again == ["medium"] and busy[1][3] == 0.06 - 0.05
+    still_busy = [point(p, m) for p, m in zip(predicted, [0.012, 0.565, 0.23, 0.22])]
+    with pytest.warns(UserWarning, match="out of order.*--recalibrate"):
+        assert not steps_in_order(still_busy, references, lambda *r: point(0.05, 0.565))
 
 
 def test_measured_collective_rates_replace_the_ring_model():

@@ -68,11 +68,12 @@ def fit(rows: list[list[float]], seconds: list[float], known: list[float] | None
 
 def least_squares(rows: list[list[float]], ys) -> list[float]:
     """Least-squares coefficients of `rows` for `ys`, none below 0: a negative one is noise here,
-    dropped (0) and the rest fitted again."""
+    dropped (0) and the rest fitted again; where every one comes out negative (the references ran
+    faster than predicted: a busier machine at calibration), none is kept."""
     import torch
 
     keep = list(range(len(rows[0])))
-    while True:
+    while keep:
         a = torch.tensor([[r[k] for k in keep] for r in rows], dtype=torch.float64)
         b = torch.tensor(ys, dtype=torch.float64).reshape(-1, 1)
         solved = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
@@ -82,6 +83,7 @@ def least_squares(rows: list[list[float]], ys) -> list[float]:
                 out[k] = max(c, 0.0)
             return out
         keep = [k for k, c in zip(keep, solved) if c >= 0]
+    return [0.0] * len(rows[0])
 
 
 def matmul_rate(dtype, device: str, sync) -> float:

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
+import warnings
 from dataclasses import replace
 
 from zeroshard.paper.plan import Plan
@@ -158,9 +160,9 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
             os.path.isfile(rates) and os.path.getmtime(path) < os.path.getmtime(rates)):
         with open(path) as f:
             return json.load(f)
-    points = []
     gpu = hw.device != "cpu"
-    for size, seq, batch in REFERENCES[:2] if gpu else REFERENCES:  # (a GPU's need memory alone)
+
+    def measure(size: str, seq: int, batch: int) -> tuple:
         with tempfile.TemporaryDirectory() as out:
             hf = None
             if family is not None:
@@ -174,12 +176,16 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
             result = launch(_reference_args(hw, size, seq, batch, precision, out, hf), measured_worker)
         setup = Setup(0, precision, micro_batch=batch, seq=seq)
         p = weigh(ref, setup, hw)
-        points.append((p.peak.host, float(result["rss_growth"]), ref.psi,
-                       optimizer_step_s(result["step_s_each"], 1) - p.time.total,
-                       token_time(ref, setup, hw.rates),
-                       float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"]),
-                       activation_excess(ref, setup)))
-    predicted, grown, psis, residuals, token_work, device_residuals, excess = zip(*points)
+        return (p.peak.host, float(result["rss_growth"]), ref.psi,
+                optimizer_step_s(result["step_s_each"], 1) - p.time.total,
+                token_time(ref, setup, hw.rates),
+                float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"]),
+                activation_excess(ref, setup), p.time.total)
+
+    references = REFERENCES[:2] if gpu else REFERENCES  # (a GPU's need memory alone)
+    points = [measure(*r) for r in references]
+    consistent = gpu or steps_in_order(points, references, measure)
+    predicted, grown, psis, residuals, token_work, device_residuals, excess, _ = zip(*points)
     fixed, per_byte, per_activation_byte = memory_terms(predicted, grown, excess, gpu)
     terms = [[1.0, psi, t] for psi, t in zip(psis, token_work)]
     step_fixed, per_param, token_scale = least_squares(terms, residuals) if not gpu else (0.0, 0.0, 0.0)
@@ -188,10 +194,45 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
     found = {"fixed": fixed, "per_byte": per_byte, "per_activation_byte": per_activation_byte,
              "step_fixed": step_fixed, "step_per_param": per_param, "token_scale": token_scale,
              "device_fixed": device_fixed, "references": points}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(found, f)
+    if consistent:  # (else measured again by the next plan, on a machine that may be quieter)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(found, f)
     return found
+
+
+def out_of_order(predicted: list[float], measured: list[float], slack: float = 0.1) -> int | None:
+    """The run whose step time contradicts the others' (one predicted shorter measured longer by
+    more than `slack`): of the runs in such pairs, the one whose measured-to-predicted ratio is
+    farthest from the median ratio; None where the measured steps keep the predicted order. Each
+    run's step is a median over its steps, which a load lasting the whole run still moves."""
+    pairs = [(i, j) for i in range(len(predicted)) for j in range(len(predicted))
+             if predicted[i] < predicted[j] and measured[i] > measured[j] * (1 + slack)]
+    if not pairs:
+        return None
+    ratios = [m / p for m, p in zip(measured, predicted)]
+    middle = statistics.median(ratios)
+    return max({k for pair in pairs for k in pair}, key=lambda k: abs(math.log(ratios[k] / middle)))
+
+
+def steps_in_order(points: list[tuple], references, measure, again: int = 2) -> bool:
+    """Measure again (up to `again` times) a reference run whose step contradicts the others'
+    (out_of_order); False, with a warning, where they still do: the step-time terms are then
+    unreliable and not cached."""
+    for _ in range(again + 1):
+        predicted = [p[-1] for p in points]
+        bad = out_of_order(predicted, [p[-1] + p[3] for p in points])
+        if bad is None:
+            return True
+        if _ < again:
+            points[bad] = measure(*references[bad])
+    size, seq, batch = references[bad]
+    warnings.warn(f"the engine's reference runs timed out of order here (the {size} GPT, {batch} x {seq} "
+                  f"tokens, {points[bad][-1] + points[bad][3]:.3f} s a step, against the others' "
+                  f"{', '.join(f'{p[-1] + p[3]:.3f}' for p in points if p is not points[bad])}): another "
+                  f"process is likely using this machine's cores, and step times predicted now may be "
+                  f"far off; run `zeroshard plan --recalibrate` when it is quiet", UserWarning, stacklevel=3)
+    return False
 
 
 def memory_terms(predicted, grown, excess, gpu: bool) -> tuple[float, float, float]:
