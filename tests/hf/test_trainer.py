@@ -343,13 +343,30 @@ def test_auto_takes_training_arguments(tmp_path, keep_rng):
                                                               "gradient_clipping": 0.5}
 
 
+def test_an_optimizer_section_warns_only_over_an_optim_the_user_chose(tmp_path, keep_rng):
+    """TrainingArguments' default optim is no choice of the user's: the section replaces it quietly."""
+    import dataclasses
+    import warnings
+
+    from transformers import TrainingArguments
+    default = next(f.default for f in dataclasses.fields(TrainingArguments) if f.name == "optim")
+    section = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, section, optim=getattr(default, "value", default))
+    assert not [w for w in caught if "is ignored" in str(w.message)]
+    with pytest.warns(UserWarning, match="optim='sgd' is ignored"):
+        _trainer(tmp_path, section, optim="sgd")
+
+
 def test_auto_stage_is_refused(tmp_path, keep_rng):
     with pytest.raises(zeroshard.ConfigError, match="'zero_optimization.stage' is \"auto\""):
         _trainer(tmp_path, {"zero_optimization": {"stage": "auto"}})
 
 
 @pytest.mark.parametrize("config", [None, {}, {"bf16": {"enabled": "auto"}},
-                                    {"zero_optimization": {"overlap_comm": True}}])
+                                    {"zero_optimization": {"overlap_comm": True}},
+                                    {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}])
 def test_a_missing_stage_is_refused(tmp_path, keep_rng, config):
     """The default stage, 0, would shard nothing: ZeroTrainer makes the user write it."""
     with pytest.raises(zeroshard.ConfigError, match="zero_config has no 'zero_optimization.stage'"):

@@ -63,6 +63,8 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
     checked = copy.deepcopy(raw)
     checked.pop("scheduler", None)  # (checked by fill_scheduler)
     _drop_auto(checked, "")
+    if isinstance(checked.get("zero_optimization"), dict):  # (a missing stage is named below, not
+        checked["zero_optimization"].setdefault("stage", 3)  # as what another key needs of it)
     Config.load(checked)  # keys and types first: "bf16": true or a "2" is named as such, not compared
     for key, (name, read) in _SHARED.items():
         value = _get(raw, key)
@@ -92,24 +94,27 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
             elif _listed(value) != _listed(_OPTIMIZER_AUTO[key](args)):  # as DeepSpeed's integration
                 raise _contradiction(f"optimizer.params.{key}", value, _OPTIMIZER_NAMES[key],
                                      _OPTIMIZER_AUTO[key](args))
-        warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, and "
-                      f"TrainingArguments.optim={optim!r} is ignored (its params are TrainingArguments' "
-                      f"learning_rate, adam_* and weight_decay, \"auto\" or equal)", UserWarning,
-                      stacklevel=3)
+        if optim != _default_optim(args):  # (the default is no choice of the user's to ignore)
+            warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, "
+                          f"and TrainingArguments.optim={optim!r} is ignored (its params are "
+                          f"TrainingArguments' learning_rate, adam_* and weight_decay, \"auto\" or equal)",
+                          UserWarning,
+                          stacklevel=3)
     elif not custom_optimizer and optim not in TORCH_OPTIMS:
         raise ConfigError(f"TrainingArguments.optim={optim!r} is not an optimizer zeroshard can run over "
                           f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
                           f"zero_config, or optimizer_cls_and_kwargs=(an elementwise optimizer, kwargs)")
     schedule = cfg.pop("scheduler", None)  # Trainer steps it, once it knows the steps (fill_scheduler)
     _drop_auto(cfg, "")
-    Config.load(cfg)  # refuse a bad key now, not at the first training step
-    if schedule is not None:
-        fill_scheduler(schedule, args, steps=None)  # likewise; the number of steps comes later
-        cfg["scheduler"] = schedule
+    if schedule is not None:  # refused now, not at the first training step (the steps come later)
+        fill_scheduler(schedule, args, steps=None)
     if _get(cfg, "zero_optimization.stage") is None:  # the default, 0, would shard nothing, silently
         raise ConfigError("zero_config has no 'zero_optimization.stage': ZeroTrainer does not pick one "
                           "(the default, 0, would shard nothing); write it, e.g. "
                           "{\"zero_optimization\": {\"stage\": 3}} (0 for plain data parallelism)")
+    Config.load(cfg)  # likewise a bad key
+    if schedule is not None:
+        cfg["scheduler"] = schedule
     return cfg
 
 
@@ -138,6 +143,13 @@ def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
             elif known and key != "warmup_min_lr" and value != read(args, steps):
                 raise _contradiction(f"scheduler.params.{key}", value, name, read(args, steps))
     return Config.load({"scheduler": section}).scheduler
+
+
+def _default_optim(args: Any) -> Any:
+    """TrainingArguments' own default for `optim` (adamw_torch_fused in recent transformers)."""
+    field = getattr(type(args), "__dataclass_fields__", {}).get("optim")
+    default = getattr(field, "default", None)
+    return getattr(default, "value", default)
 
 
 def _listed(value: Any) -> Any:
