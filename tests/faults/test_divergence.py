@@ -85,6 +85,12 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
     for step in range(steps):
         x = torch.randint(0, 37, (2, 8), generator=g)
         faulty = rank == 1 and step == 2
+        if fault.startswith("skip_step_save") and step == 2:  # a rank skips a step; then all save
+            if rank != int(fault[-1]):
+                engine.backward(loss_fn(engine(x), x))
+                engine.step()
+            engine.save_checkpoint(os.path.join(directory, "ckpt"))
+            continue
         skip = 1 if fault.startswith("skip_unit") and faulty else None
         if fault == "aux_alone":  # every rank runs the auxiliary head; its loss counts on rank 0 only
             out, aux = engine(x)
@@ -200,12 +206,14 @@ def test_a_unit_skipped_at_stage_2_is_no_divergence(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("stage,fault", [(3, "skip_unit"), (3, "skip_unit_blocks"), (3, "step_alone"),
-                                         (2, "save_alone")])
+                                         (2, "save_alone"), (3, "skip_step_save_1"),
+                                         (3, "skip_step_save_0")])
 def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str) -> None:
     """Stalled ranks compare how far they got through the store: a unit skipped in forward at stage 3
     (no check runs there; or the skipping rank reaches backward()'s check while its peer stalls in
-    forward), or a save on rank 0 alone while the other logs through
-    zeroshard.mean_over_ranks (which the engine's watch covers), is named in seconds, not after
+    forward), a save on rank 0 alone while the other logs through
+    zeroshard.mean_over_ranks (which the engine's watch covers), or a step skipped on one rank that
+    then saves while its peer stalls in the step's forward, is named in seconds, not after
     collective_timeout."""
     results = _drill(stage, fault, str(tmp_path), timeout=PATIENT)
     for rank, result in enumerate(results):

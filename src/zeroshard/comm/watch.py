@@ -142,6 +142,23 @@ class Watch:
         except dist.DistError:  # the store is gone: the next slice's _alarm_raised() says so
             return None
 
+    def _went_past(self, peer: int, key: str) -> bool:
+        """Has `peer` published a stalled mark of more calls than this rank has made, while its key
+        for the point this rank waits at is still unset? It sets that key before its next call, so
+        it went past that point without it: a rank that skipped a step waits at a check while its
+        peer stalls in the step (same prefix, no differing digest to prove it). The mark is read
+        before the key, so a key set meanwhile is seen."""
+        try:
+            mark = f"{self.prefix}stall/{peer}"
+            if not self.store.check([mark]):
+                return False
+            theirs = self.store.get(mark)
+            self._count_store(theirs)
+            count, _ = pickle.loads(theirs)
+            return count > self.count and not self.store.check([key])
+        except dist.DistError:
+            return False
+
     def _first_differing_mark(self) -> int | None:
         mark = pickle.dumps((self.count, self.digest))
         self.store.set(f"{self.prefix}stall/{self.rank}", mark)
@@ -189,6 +206,9 @@ class Watch:
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"rank {peer} is stalled in a collective, and its calls differ from "
                                     f"this rank's") from None
+            if self._went_past(0, key):
+                raise self.diagnose(f"rank 0 is stalled in a collective this rank has not issued: it went "
+                                    f"past {phase} without it") from None
             if time.monotonic() - start >= self.timeout:
                 raise self.diagnose(f"rank 0 did not reach {phase} within {self.timeout:g} s")
         theirs = self.store.get(key)

@@ -43,7 +43,9 @@ class EngineState:
             raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
                                "accumulated gradients; save after the step() that ends the cycle")
         tag = checkpoint_save.check_tag(f"step{self.global_steps}" if tag is None else tag)
-        self.comm.watch.check("save_checkpoint")  # a save on some ranks only is named, not a hang
+        # the ranks meet first (comm/watch.gate): a save on some ranks only, or on one that skipped a
+        # step while its peer stalls in it, is named, never left to pair its writes' collectives
+        self.comm.watch.gate("save_checkpoint()")
         self.wait_for_parameters()
         extra = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "scaler": self.scaler.state_dict(), "config": self.config.raw,
