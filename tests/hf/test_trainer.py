@@ -377,6 +377,13 @@ def test_auto_is_refused_by_initialize():
     with pytest.raises(zeroshard.ConfigError, match="'bf16.enabled' is \"auto\": a placeholder that "
                                                     "zeroshard.hf.ZeroTrainer fills"):
         zeroshard.initialize(torch.nn.Linear(2, 2), config={"bf16": {"enabled": "auto"}})
+    # a config written for the Trainer holds many: all are named at once (zeroshard's own "auto" is a value)
+    hf_written = {"bf16": {"enabled": "auto"}, "train_batch_size": "auto",
+                  "zeroshard": {"unit_modules": "auto"},
+                  "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
+    with pytest.raises(zeroshard.ConfigError, match="config keys 'bf16.enabled', 'train_batch_size', "
+                                                    "'zero_optimization.stage3_prefetch_bucket_size' are "):
+        zeroshard.Config.load(hf_written)
 
 
 @pytest.mark.parametrize("name, value", [("deepspeed", {"zero_optimization": {"stage": 3}}),

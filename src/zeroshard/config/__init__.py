@@ -15,6 +15,7 @@ from typing import Any
 from .keys import NOT_IMPLEMENTED_TOP, TOP_LEVEL
 from .noop_keys import accept_no_op
 from .nvme_keys import check as check_nvme
+from .values import refuse_placeholders
 from .sections import (DTYPES, ConfigError, OptimizerConfig, ScalerConfig, Settings, ZeroConfig,
                        unknown_key)
 
@@ -46,6 +47,7 @@ class Config(Settings):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        refuse_placeholders(raw)
         cfg = cls(raw=dict(raw))
         for key, value in raw.items():
             if key in TOP_LEVEL:

@@ -12,13 +12,40 @@ from typing import Any
 from .sections import ConfigError
 
 
+def placeholders(raw: Any, prefix: str = "") -> list[str]:
+    """Every key at "auto" in a config's sections, zeroshard's own excepted (where "auto" is a value:
+    pipelined_update, release_host_memory, unit_modules)."""
+    if not isinstance(raw, dict):
+        return []
+    found = []
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, str) and value == "auto":
+            found.append(name)
+        elif name != "zeroshard":
+            found += placeholders(value, f"{name}.")
+    return found
+
+
+def refuse_placeholders(raw: dict[str, Any]) -> None:
+    """Every "auto" named in one error (DeepSpeed configs written for the Trainer hold a dozen)."""
+    keys = placeholders(raw)
+    if len(keys) > 1:
+        raise ConfigError(f"config keys {', '.join(repr(k) for k in keys)} are \"auto\": placeholders that "
+                          f"zeroshard.hf.ZeroTrainer fills from TrainingArguments; zeroshard.initialize and "
+                          f"`zeroshard train --config` need values (or leave the keys out for their "
+                          f"defaults)")
+    if keys:
+        refuse_auto(keys[0], "auto")
+
+
 def refuse_auto(key: str, value: Any) -> None:
     """DeepSpeed's "auto" means "the Hugging Face Trainer decides": only zeroshard.hf.ZeroTrainer
     fills it in (from TrainingArguments); given to initialize it is refused by name."""
     if isinstance(value, str) and value == "auto":
         raise ConfigError(f"config key '{key}' is \"auto\": a placeholder that zeroshard.hf.ZeroTrainer "
-                          f"fills from TrainingArguments; zeroshard.initialize needs a value (or leave the "
-                          f"key out for its default)")
+                          f"fills from TrainingArguments; zeroshard.initialize and `zeroshard train "
+                          f"--config` need a value (or leave the key out for its default)")
 
 
 def as_int(key: str, value: Any, minimum: int, maximum: int | None = None) -> int:
