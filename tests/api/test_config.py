@@ -135,6 +135,7 @@ def test_adam_sections_mean_what_deepspeed_builds(section, kind, decay):
     ({"train_batch_size": 0}, ["train_batch_size", ">= 1"]),
     ({"zeroshard": {"unit_modules": []}}, ["zeroshard.unit_modules", "list"]),
     ({"zeroshard": {"units": "auto"}}, ["zeroshard.units", "unit_modules"]),
+    ({"model_type": "llama", "hidden_size": 64}, ["Hugging Face model config", "'llama'", "--hf-config"]),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memory": True}}},  # offloads nothing
      ["zero_optimization.offload_optimizer", "pin_memory but no 'device'", "\"device\": \"cpu\""]),
     ({"zero_optimization": {"stage": 3, "offload_param": {"pin_memory": True}}},

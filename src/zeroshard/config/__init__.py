@@ -47,6 +47,11 @@ class Config(Settings):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        if "model_type" in raw or "architectures" in raw:  # (a mix-up, named as one: not 'unknown key')
+            raise ConfigError(f"this is a Hugging Face model config (model_type "
+                              f"{raw.get('model_type', '?')!r}), not a training config: give it as "
+                              f"--hf-config to `zeroshard train` or `zeroshard plan`, and as --config a "
+                              f"DeepSpeed-style JSON (zero_optimization, bf16, optimizer, ...)")
         refuse_placeholders(raw)
         cfg = cls(raw=dict(raw))
         for key, value in raw.items():
