@@ -54,10 +54,11 @@ def test_train_resume_and_consolidate(tmp_path):
                        "--out", out, "--resume", "--offload-optimizer", "--compile").stdout
     assert "ZeRO stage 2, 3 ranks" in second and "MiB in host memory" in second
     assert "this command's settings instead of the run's: --stage 2 (the run had --stage 3)" in second, second
+    assert "3 data-parallel ranks where the run had 2: the global batch is now 24 sequences (was 16" in second
     resumed = _train_losses(out)
     assert resumed[:20] == losses and len(resumed) == 25
     assert max(resumed[20:]) < losses[0] - 1.0  # compiled, it goes on from where it was
-    consolidated = zeroshard("consolidate", os.path.join(out, "checkpoints"), str(tmp_path / "w.pt"))
+    consolidated = zeroshard("consolidate", out, str(tmp_path / "w.pt"))  # the run's folder: its checkpoints
     assert consolidated.stdout.startswith("wrote")
 
 

@@ -84,6 +84,21 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         print(f"--resume: the run's own settings: {' '.join(_flag(n, getattr(args, n)) for n in taken)}")
     if kept:
         print(f"--resume: this command's settings instead of the run's: {'; '.join(kept)}")
+    _say_global_batch(saved, args)
+
+
+def _say_global_batch(saved: dict, args: argparse.Namespace) -> None:
+    """A resume on another number of data-parallel ranks changes the global batch (--batch-size is
+    per rank): said, with the flag that keeps it, not left to be found in the loss curve."""
+    def dp(run) -> int:
+        return (run.get("nproc") or 0) // max(1, run.get("tp") or 1)
+    was, now, batch = dp(saved), dp(vars(args)), getattr(args, "batch_size", None)
+    if was and now and batch and was != now:
+        keep = was * batch / now
+        hint = f"--batch-size {int(keep)} keeps it" if keep == int(keep) else "no per-rank size keeps it"
+        print(f"--resume: {now} data-parallel rank{'s' * (now > 1)} where the run had {was}: the global "
+              f"batch is now "
+              f"{now * batch} sequences (was {was * batch}; --batch-size is per rank, {hint})")
 
 
 def _saved_run(checkpoints: str) -> dict | None:

@@ -43,10 +43,11 @@ def _resolve(path: str) -> tuple[str, str | None]:
         there = integrity.committed(os.path.dirname(path.rstrip(os.sep)))
         raise CheckpointError(f"checkpoint path '{path}' does not exist" +
                               (f"; the checkpoints beside it: {', '.join(there)}" if there else ""))
-    inner = os.path.join(path, "zeroshard")  # a Trainer checkpoint-N folder that ZeroTrainer wrote
-    if os.path.isdir(inner) and not any(os.path.exists(os.path.join(path, name))
-                                        for name in (LATEST, integrity.METADATA)):
-        return _resolve(inner)
+    own = not any(os.path.exists(os.path.join(path, name)) for name in (LATEST, integrity.METADATA))
+    # a Trainer checkpoint-N folder that ZeroTrainer wrote, or a `zeroshard train --out` folder
+    for inner in (os.path.join(path, "zeroshard"), os.path.join(path, "checkpoints")):
+        if own and os.path.isdir(inner):
+            return _resolve(inner)
     parent = None
     if os.path.isfile(os.path.join(path, LATEST)):
         with open(os.path.join(path, LATEST)) as f:
