@@ -242,6 +242,21 @@ def test_fits_nowhere_names_the_smallest_change():
     assert "Nothing fits" in done.stdout and "a shorter sequence: --seq-len" in done.stdout, done.stdout
 
 
+def test_the_table_columns_stay_aligned():
+    """Names of offload + MP rows run past the usual width: the column widens for every row."""
+    done = zeroshard_here("plan", "--params", "7e9", "--layers", "32", "--width", "4096", "--seq-len", "2048",
+                          "--global-batch", "64", "--nodes", "1", "--gpus-per-node", "8", "--top", "200")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# configuration"))
+    start = lines.index(next(line for line in lines if "do not fit" in line))
+    rows = [line for line in lines[header + 1:start] if line[:3].strip().isdigit()]
+    assert any(len(line.split(",")) >= 5 for line in rows)  # a long name is among them
+    assert {len(line) for line in rows} == {len(lines[header])}, "\n".join(rows)
+    misfits = [line for line in lines[start + 1:] if line.startswith("    ") and ">" in line]
+    assert misfits and len({line.index(" device ") for line in misfits}) == 1, "\n".join(misfits)
+
+
 def test_bad_input_refused_by_name(tmp_path):
     not_model = tmp_path / "config.json"
     not_model.write_text(json.dumps({"train_batch_size": 8}))

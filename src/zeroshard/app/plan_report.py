@@ -10,10 +10,10 @@ def _gib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
 
 
-def _row(i: int | str, p, cpu: bool) -> str:
+def _row(i: int | str, p, cpu: bool, width: int = 44) -> str:
     device = "-" if cpu else _gib(p.peak.device)
     return (
-        f"{i!s:>3} {p.setup.name:<44} {device:>9} {_gib(p.peak.host):>9} {_gib(p.peak.disk):>8} "
+        f"{i!s:>3} {p.setup.name:<{width}} {device:>9} {_gib(p.peak.host):>9} {_gib(p.peak.disk):>8} "
         f"{p.time.total:>9.3f} {p.tokens_per_s:>12,.0f}"
     )
 
@@ -21,30 +21,29 @@ def _row(i: int | str, p, cpu: bool) -> str:
 def table(shape, hw, line, plans, batch, args, changes, verified) -> str:
     cpu = hw.device == "cpu"
     fit = [p for p in plans if p.fits]
+    nearest, seen = [], set()  # of those that do not fit, the nearest of each kind (6)
+    for p in (p for p in plans if not p.fits):
+        key = (p.setup.stage, p.setup.offload_optimizer, p.setup.offload_param, p.setup.checkpointing)
+        if key not in seen and len(seen) < 6:
+            seen.add(key)
+            nearest.append(p)
+    width = max([44] + [len(p.setup.name) for p in fit[: args.top] + nearest])  # (columns aligned)
     lines = [
         f"model: {shape.name}, Ψ = {shape.psi:,} ({shape.layers} layers, width {shape.width}); "
         f"global batch {batch} x {args.seq_len} tokens, {args.precision}",
         f"hardware: {line}",
         f"peaks per rank ({'one memory: host holds all' if cpu else 'device, host, disk'}); "
         f"step: one optimizer step",
-        f"{'#':>3} {'configuration':<44} {'dev GiB':>9} {'host GiB':>9} {'disk GiB':>8} {'step s':>9} "
+        f"{'#':>3} {'configuration':<{width}} {'dev GiB':>9} {'host GiB':>9} {'disk GiB':>8} {'step s':>9} "
         f"{'tokens/s':>12}",
     ]
-    lines += [_row(i + 1, p, cpu) for i, p in enumerate(fit[: args.top])]
+    lines += [_row(i + 1, p, cpu, width) for i, p in enumerate(fit[: args.top])]
     if len(fit) > args.top:
         lines.append(f"    ... and {len(fit) - args.top} more that fit")
     over = [p for p in plans if not p.fits]
     if over:
         lines.append(f"{len(over)} do not fit, nearest first:")
-        seen = set()
-        for p in over:
-            key = (p.setup.stage, p.setup.offload_optimizer, p.setup.offload_param, p.setup.checkpointing)
-            if key in seen:
-                continue
-            seen.add(key)
-            lines.append(f"    {p.setup.name:<44} {p.misfit}")
-            if len(seen) >= 6:
-                break
+        lines += [f"    {p.setup.name:<{width}} {p.misfit}" for p in nearest]
     if not fit:
         lines.append(
             "Nothing fits."
