@@ -280,6 +280,13 @@ def test_compile_flag_compiles_every_block():
     assert model._compiled_call_impl is None  # the blocks, not the whole model (FSDP2's pattern)
 
 
+def test_one_rank_reports_no_traffic(tmp_path):
+    out = zeroshard("train", "--steps", "2", "--nproc", "1", "--size", "tiny", "--seq-len", "32",
+                    "--out", str(tmp_path / "one")).stdout
+    assert "traffic per step: none (one rank" in out and "inside nodes" not in out, out
+    assert "loss: train" in out and "sample:" in out, out
+
+
 def test_traffic_line_counts_micro_batches_where_the_stage_sends_each():
     from zeroshard.app.report import traffic_line
     mib = 2**20

@@ -188,6 +188,23 @@ def comparison_table(rows: list[dict[str, Any]], rounds: int, baseline: str, cud
     return "\n".join(lines)
 
 
+def _print_traffic(engine, args: Any, psi: int, world: int) -> None:
+    """The last step's bytes beside the paper's; none for one rank (its counters hold what the
+    collectives it skips would carry, which is no traffic)."""
+    if world == 1:
+        print("traffic per step: none (one rank: nothing crosses a wire; the paper's 2Ψ and 3Ψ are "
+              "for N > 1 ranks)")
+        return
+    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
+    accumulation = engine.config.gradient_accumulation_steps
+    print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
+    print(node_line(engine.comm_stats()["last_step"]))
+    paper_bytes = paper_traffic_factor(args.stage, accumulation) * psi * BYTES_PER_PARAM[args.precision][0]
+    if args.stage == 3 and step_bytes < paper_bytes:
+        print("  (below 3Ψ: the root, and units kept gathered from forward into backward, are not "
+              "gathered again; see stage3_max_reuse_distance in docs/configuration.md)")
+
+
 def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: list[float], val: float,
                  text: str, seconds: float, checkpoints: str) -> None:
     """Rank 0, at the end of `zeroshard train`: the model, memory and traffic beside the paper's
@@ -202,14 +219,7 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
           f"({'+'.join(map(str, pgk))} bytes/param)")
     for line in memory_table(per_rank, psi, args.stage, pgk, dp=world // args.tp):
         print(line)
-    step_bytes = sum(v["bytes"] for v in engine.comm_stats()["last_step"].values())
-    accumulation = engine.config.gradient_accumulation_steps
-    print(traffic_line(step_bytes, psi, args.stage, args.precision, accumulation))
-    print(node_line(engine.comm_stats()["last_step"]))
-    paper_bytes = paper_traffic_factor(args.stage, accumulation) * psi * BYTES_PER_PARAM[args.precision][0]
-    if args.stage == 3 and step_bytes < paper_bytes:
-        print("  (below 3Ψ: the root, and units kept gathered from forward into backward, are not "
-              "gathered again; see stage3_max_reuse_distance in docs/configuration.md)")
+    _print_traffic(engine, args, psi, world)
     first = f"{history[0]:.4f} at step 1 -> " if history else ""
     print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
           f"{seconds:.1f} s in training steps this run")
