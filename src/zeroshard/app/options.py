@@ -97,8 +97,7 @@ def _say_global_batch(saved: dict, args: argparse.Namespace) -> None:
         keep = was * batch / now
         hint = f"--batch-size {int(keep)} keeps it" if keep == int(keep) else "no per-rank size keeps it"
         print(f"--resume: {now} data-parallel rank{'s' * (now > 1)} where the run had {was}: the global "
-              f"batch is now "
-              f"{now * batch} sequences (was {was * batch}; --batch-size is per rank, {hint})")
+              f"batch is now {now * batch} sequences (was {was * batch}; --batch-size is per rank, {hint})")
 
 
 def _saved_run(checkpoints: str) -> dict | None:

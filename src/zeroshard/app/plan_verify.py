@@ -219,12 +219,12 @@ def steps_in_order(points: list[tuple], references, measure, again: int = 2) -> 
     """Measure again (up to `again` times) a reference run whose step contradicts the others'
     (out_of_order); False, with a warning, where they still do: the step-time terms are then
     unreliable and not cached."""
-    for _ in range(again + 1):
-        predicted = [p[-1] for p in points]
+    for attempt in range(again + 1):
+        predicted = [p[-1] for p in points]  # (a point's last field: its predicted step; 4th: the residual)
         bad = out_of_order(predicted, [p[-1] + p[3] for p in points])
         if bad is None:
             return True
-        if _ < again:
+        if attempt < again:
             points[bad] = measure(*references[bad])
     size, seq, batch = references[bad]
     warnings.warn(f"the engine's reference runs timed out of order here (the {size} GPT, {batch} x {seq} "
