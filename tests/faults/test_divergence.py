@@ -113,6 +113,11 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
             if rank == 0 and step == 2:
                 engine.save_checkpoint(os.path.join(directory, "ckpt"))
             zeroshard.mean_over_ranks(loss_fn(engine(x), x).detach())
+        if fault == "load_alone":  # every rank saves; rank 0 alone loads it back
+            if step == 1:
+                engine.save_checkpoint(os.path.join(directory, "ckpt"))
+            if rank == 0 and step == 2:
+                engine.load_checkpoint(os.path.join(directory, "ckpt"))
     if fault == "export_at_end" and rank == 0:  # the habit `if rank == 0: save` at a script's end,
         engine.full_state_dict()                 # while rank 1's script ends
     if fault == "forward_at_end" and rank == 0:
@@ -223,7 +228,8 @@ def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str
 
 
 @pytest.mark.parametrize("fault,call", [("export_alone", "full_state_dict()"),
-                                        ("gathered_alone", "gathered_parameters()")])
+                                        ("gathered_alone", "gathered_parameters()"),
+                                        ("load_alone", "load_checkpoint()")])
 def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault: str, call: str) -> None:
     """At stage 3 these gather every unit: entered on rank 0 alone, its gathers would pair with the
     other rank's next forward, and gloo aborts the process on the size mismatch (no diagnosis). The

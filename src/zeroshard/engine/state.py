@@ -111,6 +111,7 @@ class EngineState:
                              "checkpoint of another model is refused by name); to load part of a model, "
                              "load its state_dict into the model before zeroshard.initialize()")
         target = load_dir if tag is None else os.path.join(load_dir, tag)
+        self.comm.watch.gate("load_checkpoint()")  # (as save_checkpoint: a load on some ranks only is named)
         path = self._resolve_alike(target, missing_ok)
         if path is None:
             logger.info("no checkpoint in '%s': starting from the model's own values", target)
