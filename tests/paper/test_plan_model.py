@@ -12,7 +12,7 @@ import pytest
 
 from zeroshard.app.plan_calibrate import block_terms, fit, least_squares
 from zeroshard.app.plan_verify import line, memory_terms, optimizer_step_s, out_of_order, \
-    reference_config, steps_in_order
+    Reference, reference_config, steps_in_order
 from zeroshard.paper import plan_memory
 from zeroshard.paper.plan_memory import Setup, activations, disk_sub_groups, peak, pinned_rounding, states
 from zeroshard.paper.plan_shapes import gpt2_shape
@@ -151,13 +151,14 @@ def test_a_reference_run_timed_out_of_order_is_found():
     assert out_of_order(predicted, [0.012, 0.565, 0.23, 0.22]) == 1
     assert out_of_order(predicted, [0.3, 0.06, 0.27, 0.22]) == 0
 
-    def point(predicted_s, measured_s):  # engine_reference's: residual 4th, predicted step last
-        return (0.0, 0.0, 0, measured_s - predicted_s, 0.0, 0.0, 0.0, predicted_s)
+    def point(predicted_s, measured_s):
+        return Reference(0.0, 0.0, 0, measured_s - predicted_s, 0.0, 0.0, 0.0, predicted_s)
     references = [("tiny", 16, 1), ("medium", 16, 1), ("large", 16, 1), ("medium", 64, 4)]
     busy = [point(p, m) for p, m in zip(predicted, [0.012, 0.565, 0.23, 0.22])]
     again = []
     quiet = lambda size, seq, batch: again.append(size) or point(0.05, 0.06)  # noqa: E731
-    assert steps_in_order(busy, references, quiet) and again == ["medium"] and busy[1][3] == 0.06 - 0.05
+    assert steps_in_order(busy, references, quiet) and again == ["medium"]
+    assert busy[1].step_residual == 0.06 - 0.05
     still_busy = [point(p, m) for p, m in zip(predicted, [0.012, 0.565, 0.23, 0.22])]
     with pytest.warns(UserWarning, match="out of order.*--recalibrate"):
         assert not steps_in_order(still_busy, references, lambda *r: point(0.05, 0.565))

@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import warnings
 from dataclasses import replace
+from typing import NamedTuple
 
 from zeroshard.paper.plan import Plan
 from zeroshard.paper.plan_shapes import Shape
@@ -176,11 +177,11 @@ def engine_reference(hw, precision: str, again: bool = False, family: dict | Non
             result = launch(_reference_args(hw, size, seq, batch, precision, out, hf), measured_worker)
         setup = Setup(0, precision, micro_batch=batch, seq=seq)
         p = weigh(ref, setup, hw)
-        return (p.peak.host, float(result["rss_growth"]), ref.psi,
-                optimizer_step_s(result["step_s_each"], 1) - p.time.total,
-                token_time(ref, setup, hw.rates),
-                float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"]),
-                activation_excess(ref, setup), p.time.total)
+        return Reference(p.peak.host, float(result["rss_growth"]), ref.psi,
+                         optimizer_step_s(result["step_s_each"], 1) - p.time.total,
+                         token_time(ref, setup, hw.rates),
+                         float(result["gpu_peak"]) - (p.peak.device - p.peak.parts["fragmentation"]),
+                         activation_excess(ref, setup), p.time.total)
 
     references = REFERENCES[:2] if gpu else REFERENCES  # (a GPU's need memory alone)
     points = [measure(*r) for r in references]
@@ -215,21 +216,37 @@ def out_of_order(predicted: list[float], measured: list[float], slack: float = 0
     return max({k for pair in pairs for k in pair}, key=lambda k: abs(math.log(ratios[k] / middle)))
 
 
-def steps_in_order(points: list[tuple], references, measure, again: int = 2) -> bool:
+class Reference(NamedTuple):
+    """One reference run against its prediction (engine_reference)."""
+
+    predicted_peak: float
+    grown: float  # the measured RSS growth
+    psi: int
+    step_residual: float  # measured step - predicted step
+    token_work: float
+    device_residual: float
+    activation_excess: float
+    predicted_step: float
+
+    @property
+    def measured_step(self) -> float:
+        return self.predicted_step + self.step_residual
+
+
+def steps_in_order(points: list[Reference], references, measure, again: int = 2) -> bool:
     """Measure again (up to `again` times) a reference run whose step contradicts the others'
     (out_of_order); False, with a warning, where they still do: the step-time terms are then
     unreliable and not cached."""
     for attempt in range(again + 1):
-        predicted = [p[-1] for p in points]  # (a point's last field: its predicted step; 4th: the residual)
-        bad = out_of_order(predicted, [p[-1] + p[3] for p in points])
+        bad = out_of_order([p.predicted_step for p in points], [p.measured_step for p in points])
         if bad is None:
             return True
         if attempt < again:
             points[bad] = measure(*references[bad])
     size, seq, batch = references[bad]
     warnings.warn(f"the engine's reference runs timed out of order here (the {size} GPT, {batch} x {seq} "
-                  f"tokens, {points[bad][-1] + points[bad][3]:.3f} s a step, against the others' "
-                  f"{', '.join(f'{p[-1] + p[3]:.3f}' for p in points if p is not points[bad])}): another "
+                  f"tokens, {points[bad].measured_step:.3f} s a step, against the others' "
+                  f"{', '.join(f'{p.measured_step:.3f}' for p in points if p is not points[bad])}): another "
                   f"process is likely using this machine's cores, and step times predicted now may be "
                   f"far off; run `zeroshard plan --recalibrate` when it is quiet", UserWarning, stacklevel=3)
     return False

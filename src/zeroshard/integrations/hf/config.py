@@ -98,8 +98,7 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
             warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, "
                           f"and TrainingArguments.optim={optim!r} is ignored (its params are "
                           f"TrainingArguments' learning_rate, adam_* and weight_decay, \"auto\" or equal)",
-                          UserWarning,
-                          stacklevel=3)
+                          UserWarning, stacklevel=3)
     elif not custom_optimizer and optim not in TORCH_OPTIMS:
         raise ConfigError(f"TrainingArguments.optim={optim!r} is not an optimizer zeroshard can run over "
                           f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
