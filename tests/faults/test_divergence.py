@@ -91,6 +91,13 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
                 engine.step()
             engine.save_checkpoint(os.path.join(directory, "ckpt"))
             continue
+        if fault == "generate_alone":  # its first collective is transformers' synced_gpus all-reduce
+            if rank == 0 and step == 2:
+                with torch.no_grad():
+                    engine.module.generate(x[:1], max_new_tokens=2, do_sample=False)
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            continue
         skip = 1 if fault.startswith("skip_unit") and faulty else None
         if fault == "aux_alone":  # every rank runs the auxiliary head; its loss counts on rank 0 only
             out, aux = engine(x)
@@ -125,6 +132,13 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
             engine(x)
 
 
+def _llama() -> nn.Module:
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=36, pad_token_id=36))
+
+
 def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -132,7 +146,8 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     torch.manual_seed(0)
     config = {"zero_optimization": {"stage": stage},
               "zeroshard": {"check_collectives": True, "collective_timeout": timeout}}
-    model = AuxStack() if fault == "aux_alone" else Blocks() if fault == "skip_unit_blocks" else Stack()
+    model = AuxStack() if fault == "aux_alone" else Blocks() if fault == "skip_unit_blocks" else \
+        _llama() if fault == "generate_alone" else Stack()
     engine = zeroshard.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config)
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
@@ -229,16 +244,19 @@ def test_divergence_is_found_before_the_timeout(tmp_path, stage: int, fault: str
 
 @pytest.mark.parametrize("fault,call", [("export_alone", "full_state_dict()"),
                                         ("gathered_alone", "gathered_parameters()"),
-                                        ("load_alone", "load_checkpoint()")])
+                                        ("load_alone", "load_checkpoint()"),
+                                        ("generate_alone", "generate()")])
 def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault: str, call: str) -> None:
     """At stage 3 these gather every unit: entered on rank 0 alone, its gathers would pair with the
     other rank's next forward, and gloo aborts the process on the size mismatch (no diagnosis). The
-    ranks first meet at a gate in the store, so the stalled peer is found in seconds and named."""
+    ranks first meet at a gate in the store, so the stalled peer is found in seconds and named.
+    (A Hugging Face model's generate() would first wait in transformers' own all-reduce, unwatched.)"""
     results = _drill(3, fault, str(tmp_path), timeout=PATIENT)
     for rank, result in enumerate(results):
         assert result["error"] == "DivergenceError", result
         assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
-        assert f"rank 0: entered {call} (collective) at step 3" in result["message"], result
+        steps = 2 if call == "generate()" else 3  # step() calls before: generate() comes before the 3rd
+        assert f"rank 0: entered {call} (collective) at step {steps}" in result["message"], result
         assert f"Likely cause: {call} called on some ranks only" in result["message"], result
     if fault == "gathered_alone":  # below stage 3 a read issues no collective: rank 0 may, alone
         assert all(r["error"] is None for r in _drill(2, fault, str(tmp_path))), "stage 2"

@@ -67,6 +67,12 @@ def _direct_calls(rank: int, world_size: int, directory: str) -> None:
     full = engine.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # DeepSpeed's "gather, then generate on rank 0": unsynced inside, where nothing is gathered
+    # (transformers' default for a stage-3 model, synced_gpus, would wait for rank 1 forever)
+    with torch.no_grad(), engine.gathered_parameters():
+        if rank == 0:
+            out = model.generate(ids, max_new_tokens=3, do_sample=False)
+            assert torch.equal(out, reference.generate(ids, max_new_tokens=3, do_sample=False)), out
     _save_pretrained(engine, rank, directory, full)
 
 

@@ -4,7 +4,9 @@ registered with the core (`register_model_patch`) when zeroshard is imported.
 - Stage 3: `save_pretrained()` outside gathered_parameters() is refused before it writes anything
   (its state_dict() would be refused after config.json).
 - Stage 3: `num_parameters()` counts the parameters' full shapes, not the empty placeholders.
-- Stage 3 over several ranks: layerdrop that draws per rank is turned off (`keep_every_layer`).
+- Stage 3 over several ranks: layerdrop that draws per rank is turned off (`keep_every_layer`), and
+  `generate()` is collective: it opens with the ranks' gate, and syncs ranks token by token
+  (`collective_generate`); inside gathered_parameters() it runs on its own, as a forward there does.
 - Any stage: `resize_token_embeddings(n)` is refused: the flat layout (and the optimizer's state)
   was fixed at initialize, so a new shape could only break or go untrained.
 
@@ -20,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ...core.guards import Unit, _sharded_now, register_model_patch
+from ...core.guards import Edits, Unit, _sharded_now, register_model_patch
 
 logger = logging.getLogger("zeroshard")
 
@@ -34,6 +36,7 @@ def patch_transformers_model(root: nn.Module, units: list[Unit], shard_params: b
         guard_save_pretrained(root, units)
         if world_size > 1:
             keep_every_layer(root, warn=rank == 0)
+            collective_generate(root, units)
     refuse_resize(root)
 
 
@@ -55,6 +58,30 @@ def guard_save_pretrained(root: nn.Module, units: list[Unit]) -> None:
                                "engine.gathered_parameters():`. Nothing was written.")
         return save(*args, **kwargs)
     root.save_pretrained = types.MethodType(save_pretrained, root)
+
+
+def collective_generate(root: nn.Module, units: list[Unit]) -> None:
+    """Stage 3 over several ranks: each forward of `root.generate()` (transformers) gathers units, so
+    every rank must run it, token for token, until every rank is done (`synced_gpus`, transformers'
+    own answer under ZeRO-3 and FSDP; its default here too, made explicit). Its first collective
+    is transformers' own all-reduce, which zeroshard does not watch: a generate() on some ranks only
+    would wait out the timeout there. So it opens with the ranks' gate (comm/watch.py), which names
+    it in seconds. Inside gathered_parameters() nothing is gathered: it runs on its own, unsynced
+    (DeepSpeed's "gather, then generate on rank 0")."""
+    generate = getattr(root, "generate", None)
+    if not callable(generate):
+        return
+    live = [weakref.ref(u) for u in units]
+    watch = units[0].flats[0].comm.watch
+
+    def collective(self: nn.Module, *args, **kwargs) -> Any:
+        if any(ref() is not None and ref().edits is not Edits.NONE for ref in live):
+            kwargs.setdefault("synced_gpus", False)  # gathered: each rank generates on its own
+        else:
+            watch.gate("generate()")
+            kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+    root.generate = types.MethodType(collective, root)
 
 
 def count_full_shapes(root: nn.Module, units: list[Unit]) -> None:

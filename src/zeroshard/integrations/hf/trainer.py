@@ -27,7 +27,6 @@ sampler's position (a function of the step) means the same samples.
 from __future__ import annotations
 
 import os
-import types
 from typing import Any
 
 import torch
@@ -48,13 +47,6 @@ from .adapters import EngineModule, EngineOptimizer
 from .config import check_arguments, fill_scheduler, resolve_config
 
 _STATE_DIR = "zeroshard"  # the engine's sharded checkpoint, inside Trainer's checkpoint-N folder
-
-
-def _generate_on_every_rank(model: nn.Module, *args: Any, synced_gpus: bool = True, **kwargs: Any) -> Any:
-    """model.generate at stage 3 over several ranks: each forward all-gathers, so every rank must
-    run it; generation goes on until every rank is done (transformers does this by itself for
-    DeepSpeed ZeRO-3 and FSDP). A rank stopping alone would leave the others' gathers unanswered."""
-    return type(model).generate(model, *args, synced_gpus=synced_gpus, **kwargs)
 
 
 class ZeroTrainer(Trainer):
@@ -128,8 +120,6 @@ class ZeroTrainer(Trainer):
                              f"{self.args.world_size} process(es), so each rank would train on the same "
                              f"batches: on the CPU pass TrainingArguments(use_cpu=True) under torchrun")
         engine = initialize(model, optimizer, config, param_groups=groups)
-        if engine.policy.shard_params and ranks > 1 and callable(getattr(model, "generate", None)):
-            model.generate = types.MethodType(_generate_on_every_rank, model)
         want = torch.device(self.args.device)
         if want.type != engine.device.type or (want.type != "cpu" and want.index != engine.device.index):
             raise RuntimeError(f"TrainingArguments put the inputs on {want}, but zeroshard's process group "
