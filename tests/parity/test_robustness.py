@@ -266,6 +266,29 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     late.module.bias.requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"\['bias'\] frozen \(requires_grad=False\) after zeroshard"):
         late.backward(late(torch.ones(2, 4)).sum())
+    # ... and one unfrozen after initialize has no gradient buffer or optimizer state: it would
+    # silently not train. Refused too, at every stage.
+    for stage in (0, 3):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        model[0].weight.requires_grad_(False)
+        thawed = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": stage}})
+        model[0].weight.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"\['0.weight'\] unfrozen \(requires_grad=True\) after"):
+            thawed.backward(thawed(torch.ones(2, 4)).sum())
+    # A weight written in place where training keeps its values elsewhere (16-bit: the fp32 master)
+    # would be written over by the next step: refused by name. In fp32 (stages 0-2) the parameter is
+    # the master, and the write simply trains on.
+    for precision in ("bf16", "fp32"):
+        config = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": precision == "bf16"}}
+        edited = zeroshard.initialize(nn.Linear(4, 4), _sgd, config)
+        with torch.no_grad():
+            edited.module.weight.fill_(0.5)
+        edited.backward(edited(torch.ones(2, 4, dtype=edited.module.weight.dtype)).float().sum())
+        if precision == "bf16":
+            with pytest.raises(RuntimeError, match="weight changed in place after zeroshard.initialize"):
+                edited.step()
+        else:
+            edited.step()
     # DeepSpeed's conveniences, and nn.Module's names answered with what to use instead.
     assert engine.get_lr() == [0.1] and engine.get_global_grad_norm() > 0
     engine.zero_grad()  # a torch loop's habit before the forward: nothing to clear

@@ -185,6 +185,13 @@ class FlatGrad:
         frozen = {id(p) for p in self.params if not p.requires_grad}
         return sorted(self.slot_of[i].names[0] for i in self.grads.pending if i in frozen)
 
+    def unfrozen_since_initialize(self) -> list[str]:
+        """Names of this frozen buffer's parameters that require a gradient now: unfrozen after
+        initialize, they get none here (the buffer has no gradient, no master, no optimizer state)."""
+        if self.trainable:
+            return []
+        return sorted(self.slot_of[id(p)].names[0] for p in self.params if p.requires_grad)
+
     @property
     def complete(self) -> bool:
         """Has every parameter reported its gradient in this backward?"""

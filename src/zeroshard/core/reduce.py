@@ -203,8 +203,10 @@ class GradientReducer:
 
     def finish_backward(self) -> None:
         """Every trainable buffer is reduced exactly once per backward (stages 2-3), in order. A
-        parameter frozen since initialize is refused once the backward's collectives are done."""
+        parameter frozen since initialize, or unfrozen, is refused once the backward's collectives are
+        done."""
         frozen = [name for flat in self.flats if flat.trainable for name in flat.frozen_since_initialize()]
+        unfrozen = [name for flat in self.flats for name in flat.unfrozen_since_initialize()]
         late = self.phase is CyclePhase.REDUCED
         reduced_now = self._reducing_as_complete
         if reduced_now:
@@ -228,6 +230,12 @@ class GradientReducer:
                                f"trainable parameters are fixed there, and the optimizer would still move a "
                                f"frozen one (weight decay, momentum) with a zero gradient. Freeze before "
                                f"initialize(), or put it in a parameter group with lr 0 and weight_decay 0")
+        if unfrozen:
+            raise RuntimeError(f"{unfrozen[:3]} unfrozen (requires_grad=True) after zeroshard.initialize(): "
+                               f"they were frozen there, so they have no gradient buffer, master or "
+                               f"optimizer state, and would silently not train. To unfreeze later, leave "
+                               f"them trainable at initialize() in a parameter group with lr 0 (and "
+                               f"weight_decay 0), and raise that group's lr when they should train")
 
     def _reduce_again(self) -> None:
         """Gradients that arrived after their buffer was reduced in this same backward are reduced
