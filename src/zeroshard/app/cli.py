@@ -34,9 +34,10 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool)
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
                    help="fp32, or mixed precision with fp32 master weights (default: the config's "
                         "bf16/fp16 section, else fp32)")
-    p.add_argument("--lr", type=float, help="learning rate, also over a resumed optimizer's (default: the "
-                                            "config's optimizer section, else AdamW at 1e-3; refused beside "
-                                            "a scheduler section)")
+    resumed = ", also over a resumed optimizer's" if gpu_run else ""  # (compare does not resume)
+    p.add_argument("--lr", type=float, help=f"learning rate{resumed} (default: the config's optimizer "
+                                            f"section, else AdamW at 1e-3; refused beside a scheduler "
+                                            f"section)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each block (every nn.ModuleList entry) before training")
     p.add_argument("--data", nargs="+", default=[], help="text files or directories (default: the "
@@ -154,6 +155,8 @@ def _estimate_psi(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.params is not None:
         if not 0 < args.params < math.inf:  # also refuses nan
             parser.error(f"--params must be a finite number > 0, got {args.params}")
+        if args.params != int(args.params):  # "1.5" meant as billions, most likely
+            parser.error(f"--params counts parameters, a whole number (1.5e9 for 1.5B), got {args.params}")
         return args.params
     if args.hf_config is not None:
         try:
@@ -184,7 +187,14 @@ def _run_estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         print(configurations_text(psi, args.layers or layers, args.width or width, args.nproc, args.mp,
                                   args.batch, args.seq_len, args.precision))
         return
-    optimizer, param = args.offload_optimizer or args.offload, args.offload_param or args.offload
+    if args.stage == 0 and (args.offload_optimizer or "none") != "none":
+        parser.error("--offload-optimizer at stage 0: ZeRO offloads a rank's shard of the optimizer "
+                     "state, from stage 1 on (as initialize() requires); give --stage 1, 2 or 3")
+    if args.stage < 3 and (args.offload_param or "none") != "none":
+        parser.error(f"--offload-param at stage {args.stage}: parameters are sharded, and offloaded, at "
+                     f"stage 3 only; give --stage 3")
+    optimizer = args.offload_optimizer or (args.offload if args.stage >= 1 else None)
+    param = args.offload_param or (args.offload if args.stage == 3 else None)  # --offload: where it can
     places = {p for p in (optimizer, param) if p not in (None, "none")}
     if len(places) > 1:
         parser.error("the offloads go to one place in this model: both cpu or both nvme")
@@ -262,6 +272,8 @@ def _say_heads(run) -> None:
 
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
+    if len(set(getattr(args, "stages", []))) < len(getattr(args, "stages", [])):
+        parser.error(f"--stages {' '.join(map(str, args.stages))}: a stage given twice; give each once")
     resolve_device(parser, args)
     if args.command == "train":
         resume_settings(parser, args)
@@ -287,9 +299,10 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         accumulation = zeroshard.Config.load(engine_config).gradient_accumulation_steps
         for flag, value in (("--steps", train_args.steps), ("--save-every", train_args.save_every)):
             if value % accumulation:  # a checkpoint cannot hold half-accumulated gradients
+                ends = "on an optimizer step" if args.command == "compare" else "with a checkpoint"
                 raise ValueError(f"{flag} {value} must be a multiple of gradient_accumulation_steps "
                                  f"({accumulation}): each step is one micro-batch, and the run ends "
-                                 f"with a checkpoint")
+                                 f"{ends}")
         if args.hf_config or train_args.tp > 1:
             from zeroshard.parallel import check_heads
             check_heads(build_model(train_args), train_args.tp)

@@ -208,7 +208,8 @@ def defaults_from_config(args: argparse.Namespace) -> None:
         except zeroshard.ConfigError as e:
             raise ValueError(f"--config at stage {stage} (of --stages): {e}; leave stage {stage} out of "
                              f"--stages, or change the config") from None
-    config = zeroshard.Config.load(_at_stage(raw, getattr(args, "stage", None)))  # as train runs it
+    # as train runs it (compare: each of its stages was judged just above)
+    config = zeroshard.Config.load(_at_stage(raw, args.stage if hasattr(args, "stage") else max(args.stages)))
     if getattr(args, "lr", None) is not None and config.scheduler is not None:
         raise ValueError(f"--lr {args.lr}: the config's \"scheduler\" section ({config.scheduler.type}) sets "
                          f"the learning rate at every step, so --lr would be ignored; set the peak in that "

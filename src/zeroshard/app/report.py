@@ -61,12 +61,15 @@ def gpu_reserved_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
 
 
-def bytes_per_param(optimizer: torch.optim.Optimizer, precision: str) -> tuple[int, int, int]:
+def bytes_per_param(engine: Any, precision: str) -> tuple[int, int, int]:
     """The paper's (p, g, K) for this run: p and g from the precision; K from what the optimizer
     keeps per element (Adam's two fp32 moments 8, SGD's momentum 4, plain SGD 0; known once it
-    has stepped) plus the fp32 master copy that 16-bit training adds. Adam gives the paper's K."""
+    has stepped) plus the fp32 master copy that 16-bit training adds, and so does offload (the
+    master stays beside the optimizer state, apart from the parameters). Adam gives the paper's K."""
     p, g, _ = BYTES_PER_PARAM[precision]
-    master = 4 if precision != "fp32" else 0
+    kept = getattr(engine, "precision", None)  # (compare's DDP baseline has none: AMP's fp32 weights)
+    master = 4 if (kept.separate_master if kept is not None else precision != "fp32") else 0
+    optimizer = engine.optimizer
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param)
@@ -211,7 +214,7 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     formulas, the losses and their plot, where the checkpoint is, and the sample."""
     psi, world = engine.num_parameters(), zeroshard.rank_and_world_size()[1]
     split = f" (this rank's tp part; tp {args.tp} x dp {world // args.tp})" if args.tp > 1 else ""
-    pgk = bytes_per_param(engine.optimizer, args.precision)
+    pgk = bytes_per_param(engine, args.precision)
     where = "cuda (NCCL)" if engine.device.type == "cuda" else f"{engine.device.type} (gloo)"
     rank_word = "rank" if world == 1 else "ranks"
     print(f"\nmodel: {type(engine.module).__name__}, Ψ = {psi:,} parameters{split}; ZeRO stage {args.stage}, "

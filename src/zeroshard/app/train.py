@@ -70,6 +70,9 @@ class TrainArgs:
         raw = zeroshard.Config.read(self.config) if self.config else {}
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
         for key in ("offload_optimizer", "offload_param"):  # given on the command line: they win
+            if self.ddp:  # compare's baseline: plain torch takes the config's recipe, offloading nothing
+                raw["zero_optimization"].pop(key, None)
+                continue
             if getattr(self, key) is not None:
                 section = {**raw["zero_optimization"].get(key, {}), "device": getattr(self, key),
                            "pin_memory": True}
@@ -248,7 +251,7 @@ def worker(args: TrainArgs) -> dict[str, Any]:
             "step_s_each": times,
             "model_states": stats["model_states_in_step"], "memory_stats": stats,
             "psi": engine.num_parameters(),
-            "bytes_per_param": bytes_per_param(engine.optimizer, args.precision),
+            "bytes_per_param": bytes_per_param(engine, args.precision),
             "rss_growth": max(p[0] for p in peaks), "gpu_peak": max(p[1] for p in peaks),
             "gpu_reserved": max(p[2] for p in peaks), "rss_growth_phases": phases,
             "run_id": args.run_id, **resumed.as_dict()}
