@@ -72,6 +72,23 @@ def test_too_little_free_space_is_named_before_any_file(one_process_group, tmp_p
     assert stats["disk"] > 0 and os.listdir(tmp_path)
 
 
+def test_one_directory_spelled_two_ways_is_one_place(one_process_group, tmp_path, caplog):
+    """The optimizer's and the parameters' nvme_path as `/d` and `/d/.`: one run directory, one
+    free-space check of both needs (not two, each seeing half), and no "reclaiming" of the first."""
+    config = _config(str(tmp_path))
+    config["zero_optimization"]["offload_param"]["nvme_path"] = os.path.join(str(tmp_path), ".")
+    asked = []
+    set_free_space_probe(lambda path: asked.append(path) or 1 << 40)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zeroshard"):
+            engine = zeroshard.initialize(TinyGPT(), lambda p: torch.optim.AdamW(p, lr=1e-3), config)
+    finally:
+        set_free_space_probe(None)
+    assert len(asked) == 1 and "reclaiming" not in caplog.text, (asked, caplog.text)
+    (run,) = os.listdir(tmp_path)
+    assert os.listdir(tmp_path / run) == ["rank0"] and engine.memory_stats()["disk"] > 0
+
+
 def test_a_leftover_directory_is_refused_unless_an_elastic_restart_reclaims_it(
         one_process_group, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run1")

@@ -12,6 +12,7 @@ Invariant: open_store() is the only place that creates the directories, after ev
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -55,8 +56,16 @@ def needed_bytes(config: Config, module: nn.Module, world_size: int, states: int
         needs[nv.optimizer_path] = needs.get(nv.optimizer_path, 0) + 4 * (1 + states) * owned(trainable)
     if nv.params:
         compute = torch.empty(0, dtype=config.dtype(None)).element_size()
-        needs[nv.param_path] = needs.get(nv.param_path, 0) + compute * owned(params)
+        needs[_param_path(config)] = needs.get(_param_path(config), 0) + compute * owned(params)
     return needs
+
+
+def _param_path(config: Config) -> str:
+    """Where parameter shards go: the optimizer's nvme_path when both name one directory, however
+    spelled (`/d` and `/d/.`), so they share one run directory and one free-space check."""
+    nv = config.nvme
+    same = nv.optimizer and os.path.realpath(nv.optimizer_path) == os.path.realpath(nv.param_path)
+    return nv.optimizer_path if same else nv.param_path
 
 
 def open_store(config: Config, comm: Comm, module: nn.Module, probe: torch.optim.Optimizer | None,
@@ -71,7 +80,7 @@ def open_store(config: Config, comm: Comm, module: nn.Module, probe: torch.optim
     if nv.optimizer:
         dirs["optimizer"] = paths[nv.optimizer_path]
     if nv.params:
-        dirs["param"] = paths[nv.param_path]
+        dirs["param"] = paths[_param_path(config)]
     store = DiskStore(dirs, nv.aio.get("block_size", 1 << 30))
     store.cache = ShardCache(nv.max_in_cpu if nv.params else 0)
     if nv.optimizer:
