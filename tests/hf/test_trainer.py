@@ -220,6 +220,9 @@ def test_save_model_is_an_ordinary_checkpoint(runs):
     saved = load_file(f"{out}/gpt2-stage3/checkpoint-4/model.safetensors")
     whole = zeroshard.consolidate(f"{out}/gpt2-stage3/checkpoint-4")
     assert saved and all(torch.equal(whole[name], value) for name, value in saved.items())
+    with pytest.raises(zeroshard.CheckpointError, match=r"is a Trainer output_dir: give one of its "
+                                                          r"checkpoints \(checkpoint-4, checkpoint-6\)"):
+        zeroshard.consolidate(f"{out}/gpt2-stage3")  # the output_dir: which checkpoint is not its to guess
 
 
 def test_seed_config_optimizer_section_and_skipped_steps(runs):

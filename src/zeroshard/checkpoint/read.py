@@ -61,10 +61,22 @@ def _resolve(path: str) -> tuple[str, str | None]:
         raise CheckpointError(f"'{path}' holds checkpoints ({', '.join(held)}) but no '{LATEST}' file "
                               f"naming the one to load: load one by its path, or write its name into "
                               f"{os.path.join(path, LATEST)}")
+    if parent is None and (steps := _trainer_checkpoints(path)):
+        raise CheckpointError(f"'{path}' is a Trainer output_dir: give one of its checkpoints "
+                              f"({', '.join(steps)}), e.g. the newest, {os.path.join(path, steps[-1])}")
     if not os.path.isfile(os.path.join(path, integrity.METADATA)):
         raise CheckpointError(f"'{path}' is not a complete checkpoint (no .metadata): an interrupted save, "
                               f"or not a zeroshard checkpoint directory" + integrity.offer(parent, path))
     return path, parent
+
+
+def _trainer_checkpoints(path: str) -> list[str]:
+    """The checkpoint-N folders ZeroTrainer wrote in `path` (an output_dir), by step."""
+    if not os.path.isdir(path):
+        return []
+    found = [d for d in os.listdir(path) if d.startswith("checkpoint-") and d[11:].isdigit()
+             and os.path.isdir(os.path.join(path, d, "zeroshard"))]
+    return sorted(found, key=lambda d: int(d[11:]))
 
 
 def resolve_everywhere(path: str, comm: Comm) -> tuple[str, str | None]:
