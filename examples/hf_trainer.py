@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU even with a GPU")
     opts = parser.parse_args()
 
+    # bytes for tokens: GPT-2's own special ids (50256) would lie outside this vocabulary
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=opts.width, n_layer=opts.layers,
-                                       n_head=4))
+                                       n_head=4, bos_token_id=0, eos_token_id=0))
     blocks = byte_blocks(seq_len=64)
     train, evals = blocks[len(blocks) // 10:], blocks[: len(blocks) // 10]
     args = TrainingArguments(
