@@ -30,7 +30,7 @@ from ..offload.host import Copier, HostCopies, master_goes_up
 from ..parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
 from .flat_grad import FlatGrad
 from .partition import Slot, build_layout
-from .placeholders import Placeholders
+from .placeholders import InPlaceWrites, Placeholders
 from .policy import Buckets, StagePolicy
 from .precision import Precision
 
@@ -102,35 +102,12 @@ class FlatParam(FlatGrad):
         self._init_grads()
         if trainable:
             self._init_trainable(owned)  # before reshard(): `owned` may share storage with `full`
-        # A parameter written in place outside gathered_parameters() (p.fill_, nn.init, copy_) where
-        # training keeps its values elsewhere (a fp32 master, a host copy, a shard) would be written
-        # over by the next step without a word: its autograd version is noted after each of the
-        # engine's own writes, and a moved one refused by name (refuse_edited).
-        self.edits_lost = self.persistent and self.trainable and \
-            self.owned_values().untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
-        self.note_versions()
+        # an in-place write where training keeps the values apart would be lost (placeholders.py)
+        self.writes = InPlaceWrites(self.params, self.layout.slots, self.persistent and self.trainable and
+                                    self.owned_values().untyped_storage().data_ptr() !=
+                                    self.full.untyped_storage().data_ptr())
         if not self.persistent:
             self.reshard()
-
-    def note_versions(self) -> None:
-        """Take the parameters' autograd versions as they are now: after the engine's own write."""
-        self._versions = [p._version for p in self.params]
-
-    def refuse_edited(self) -> None:
-        """No parameter was written in place since the engine last wrote them, where the next step
-        would write over the change (edits_lost). Refused once: the versions are then noted again."""
-        if not self.edits_lost or self.state is not ParamState.UNSHARDED:
-            return
-        written = [slot.names[0] for p, slot, v in zip(self.params, self.layout.slots, self._versions)
-                   if p._version != v]
-        if written:
-            self.note_versions()
-            raise RuntimeError(
-                f"{', '.join(written[:3])} changed in place after zeroshard.initialize() (p.copy_(), "
-                f"p.fill_(), nn.init on the engine's model): training keeps these values elsewhere (the "
-                f"fp32 master, a host copy or a shard), so the next step would write over the change. "
-                f"Change weights inside `with engine.gathered_parameters(modifier_rank=0):` (rank 0's "
-                f"values go to every rank and into the masters), or before initialize()")
 
     def _initial_values(self) -> torch.Tensor:
         """The padded buffer in the parameters' own dtype, equal to rank 0's values on every rank."""
@@ -364,7 +341,7 @@ class FlatParam(FlatGrad):
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
         torch.autograd.graph.increment_version(self.params)
-        self.note_versions()
+        self.writes.note()
         if self.state is not ParamState.UNSHARDED:  # placeholders: this bump is no user's write
             self._placeholder.note(self.params)
 

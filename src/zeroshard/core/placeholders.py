@@ -8,6 +8,12 @@ the parameter is pointed at it, and the next gather refuses a parameter whose ve
 name, with the way to change weights that does reach them. (`p.data.zero_()` bypasses the version
 counter, as it bypasses autograd: that one cannot be seen.)
 
+The same counter watches the parameters of a buffer kept gathered (stages 0-2, stage 3's persistent
+ones) whose values training keeps apart: a 16-bit compute copy of a fp32 master, a copy of an
+offloaded master, or of a stage-3 shard. A write into such a parameter outside
+gathered_parameters() would be written over by the next step; `InPlaceWrites` notes the versions
+after each of the engine's own writes (which bump them too) and the step refuses a moved one.
+
 Nor does the counter see a parameter's tensor replaced (`p.data = t`, `model.half()` or `.to()` after
 initialize): the parameter then computes with a tensor zeroshard never reads, trained apart from the
 shards or not at all, and the next gather would silently undo it. So every gather and free first
@@ -77,3 +83,31 @@ class Placeholders:
                 f"empty placeholder, so the change was lost. Change weights inside `with "
                 f"engine.gathered_parameters(modifier_rank=0):` (rank 0's values go to every rank and "
                 f"into the fp32 masters), or before initialize()")
+
+
+class InPlaceWrites:
+    """The autograd versions of a kept-gathered buffer's parameters as the engine last wrote them;
+    `watched`: whether training keeps their values apart (else a write simply trains on)."""
+
+    def __init__(self, params: list[nn.Parameter], slots: list[Slot], watched: bool) -> None:
+        self.params, self.slots, self.watched = params, slots, watched
+        self.note()
+
+    def note(self) -> None:
+        """Take the versions as they are now: after one of the engine's own writes."""
+        self.versions = [p._version for p in self.params]
+
+    def refuse(self) -> None:
+        """Raise, naming them, if parameters were written in place since; refused once (noted again)."""
+        if not self.watched:
+            return
+        written = [slot.names[0] for p, slot, v in zip(self.params, self.slots, self.versions)
+                   if p._version != v]
+        if written:
+            self.note()
+            raise RuntimeError(
+                f"{', '.join(written[:3])} changed in place after zeroshard.initialize() (p.copy_(), "
+                f"p.fill_(), nn.init on the engine's model): training keeps these values elsewhere (the "
+                f"fp32 master, a host copy or a shard), so the next step would write over the change. "
+                f"Change weights inside `with engine.gathered_parameters(modifier_rank=0):` (rank 0's "
+                f"values go to every rank and into the masters), or before initialize()")

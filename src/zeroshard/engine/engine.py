@@ -290,7 +290,7 @@ class Engine(EngineState, EngineCompat):
         the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
         for flat in self.flats:  # before anything changes: a refused step can be retried
             flat.refuse_replaced()
-            flat.refuse_edited()
+            flat.writes.refuse()
         if self.is_gradient_accumulation_boundary() and not self.reducer.saw_backward:  # torch: no update
             raise RuntimeError("step() with no backward since the last update would apply weight decay "
                                "and momentum to zero gradients: call engine.backward(loss) before step()")

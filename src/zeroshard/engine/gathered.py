@@ -89,7 +89,7 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
                     if flat.persistent and flat.state is ParamState.UNSHARDED:
                         flat.full.copy_(before)
         for flat in flats:  # edits inside were taken or undone: none is left for the step to refuse
-            flat.note_versions()
+            flat.writes.note()
         for unit in units:
             unit.reshard()  # stage 3 only: buffers kept gathered stay
 
