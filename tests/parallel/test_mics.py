@@ -34,6 +34,10 @@ def _parity(rank: int, world_size: int) -> None:
         for stage in (1, 2, 3):
             engine = zeroshard.initialize(tiny_gpt(seed=rank), make_opt, _config(stage, 2))
             assert engine.comm.world_size == 2 and engine.comm.replicas == world_size // 2
+            # every rank reads its own data: the batch arithmetic counts them all (DeepSpeed's rule)
+            assert engine.dp_world_size == world_size
+            assert sorted(zeroshard.gather_objects(engine.comm.data_parallel)) == \
+                [(r, world_size) for r in range(world_size)]
             losses = train_on_slices(engine, rank, world_size, STEPS, GLOBAL_BATCH)
             what = f"MiCS 2 x {world_size // 2} stage {stage} {make_opt.__name__}"
             assert_matches_reference(engine, losses, ref_model, ref_losses, what)
@@ -43,6 +47,10 @@ def _parity(rank: int, world_size: int) -> None:
             shard_bytes = sum(4 * f.layout.shard_numel for f in engine.flats if f.trainable)  # fp32
             assert step["all_reduce"]["inter_node_bytes"] == 2 * shard_bytes, (what, step)
             assert sum(v["inter_node_bytes"] for k, v in step.items() if k != "all_reduce") == 0, (what, step)
+    # DeepSpeed's batch arithmetic counts every rank that reads its own data: micro x 1 x all of them
+    config = {**_config(3, 2), "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * world_size}
+    engine = zeroshard.initialize(tiny_gpt(), sgd, config)
+    assert engine.gradient_accumulation_steps() == 1 and engine.train_batch_size() == 2 * world_size
 
 
 @pytest.mark.parametrize("world_size", [4, 6])

@@ -327,7 +327,7 @@ def prompt_from(text: torch.Tensor, seq_len: int) -> list[int]:
 
 
 def data_rank(engine) -> tuple[int, int]:
-    """(this rank's index, ranks) among those reading different data: the dp group (the tp ranks of
-    one model shard read the same batch), the world for the DDP baseline."""
+    """(this rank's index, ranks) among those reading different data: the dp group, in every MiCS
+    copy (the tp ranks of one model shard read the same batch), the world for the DDP baseline."""
     comm = getattr(engine, "comm", None)
-    return (comm.rank, comm.world_size) if comm is not None else zeroshard.rank_and_world_size()
+    return comm.data_parallel if comm is not None else zeroshard.rank_and_world_size()

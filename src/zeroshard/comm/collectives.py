@@ -107,6 +107,13 @@ class Comm:
         self._counting_step = True
         self.label = ""  # what the next collectives are about ("unit 3 (h.2)"), for the fingerprints
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's index, ranks) among those that read different data: the shard group's ranks
+        in every copy of the model (MiCS: a copy is one shard group; its gradients are averaged
+        over the replicas too), which the batch sizes count."""
+        return self.replica_rank * self.world_size + self.rank, self.replicas * self.world_size
+
     def _count(self, kind: Kind, nbytes: int, calls: int = 1, inter: bool | None = None) -> None:
         """`inter`: whether the collective's group spans nodes (default: this Comm's group)."""
         targets = [self.total, self.window] if self._counting_step else [self.total]

@@ -121,12 +121,12 @@ class EngineCompat:
 
     @property
     def world_size(self) -> int:
-        """Data-parallel ranks (the ranks ZeRO shards over)."""
-        return self.comm.world_size
+        """Data-parallel ranks: those ZeRO shards over, in every copy of the model (MiCS)."""
+        return self.comm.data_parallel[1]
 
     @property
     def dp_world_size(self) -> int:
-        return self.comm.world_size
+        return self.comm.data_parallel[1]
 
     @property
     def local_rank(self) -> int:

@@ -90,7 +90,7 @@ class Engine(EngineState, EngineCompat):
         if comm.replicas > 1:  # MiCS: and across the shard groups
             verify_same_on_every_rank(Comm(None), module, config)
         check_model(module, config)
-        config.check_batch_sizes(comm.world_size)
+        config.check_batch_sizes(comm.data_parallel[1])  # (MiCS: every copy's ranks read their own data)
         # ZeRO++'s groups: made once every rank is known to run the same config (new_group pairs up)
         comm.zeropp = build_zeropp(config.zero, config.quantized_gradient_bits, topology, dist.get_rank(),
                                    dist.get_world_size())
