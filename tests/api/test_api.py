@@ -86,13 +86,26 @@ def _api(rank: int, world_size: int) -> None:
         assert reductions == [0, 0]  # no gradient was communicated inside no_sync()
         quiet.backward(loss_fn(quiet(x[2:]), y[2:]) / 2)
         quiet.step()
+        # Every backward of the cycle inside no_sync(), then step(): stages 0-1 reduce at the step;
+        # stages 2-3 reduce during backward only, so each rank would update with its own gradient.
+        local = zeroshard.initialize(_copy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+                                     {"zero_optimization": {"stage": stage}})
+        with local.no_sync():
+            for half in (slice(0, 2), slice(2, 4)):
+                local.backward(loss_fn(local(x[half]), y[half]) / 2)
+            if stage >= 2:
+                with pytest.raises(RuntimeError, match="backwards that all ran inside no_sync"):
+                    local.step()
+            else:
+                local.step()
         # The user may call loss.backward() directly; step() finishes the reduction.
         loss_fn(engine(x), y).backward()
         engine.step()
         a, b = engine.full_state_dict(), split.full_state_dict()
         c, d = quiet.full_state_dict(), eager.full_state_dict()
+        e = local.full_state_dict() if stage < 2 else a
         for name in a:
-            for other in (a, c, d):
+            for other in (a, c, d, e):
                 torch.testing.assert_close(other[name], b[name], rtol=1e-5, atol=1e-6)
 
 

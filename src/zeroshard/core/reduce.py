@@ -148,6 +148,13 @@ class GradientReducer:
         return self.cycle.backwards > 0 or self.cycle.arrived > 0
 
     @property
+    def left_local(self) -> bool:
+        """Stages 2-3: gradients of this cycle are still unreduced (the backwards since the last
+        reduction ran inside no_sync), and only a backward reduces them there."""
+        unreduced = (GradState.ACCUMULATING, GradState.ACCUMULATING_MORE)
+        return self.policy.shard_grads and any(f.grad_state in unreduced for f in self.flats if f.trainable)
+
+    @property
     def _reducing_as_complete(self) -> bool:
         return self.sync is Sync.REDUCE and (self.policy.shard_grads or self.phase is CyclePhase.REDUCING)
 

@@ -294,6 +294,12 @@ class Engine(EngineState, EngineCompat):
         if self.is_gradient_accumulation_boundary() and not self.reducer.saw_backward:  # torch: no update
             raise RuntimeError("step() with no backward since the last update would apply weight decay "
                                "and momentum to zero gradients: call engine.backward(loss) before step()")
+        if self.is_gradient_accumulation_boundary() and self.state is TrainingState.BACKWARD_DONE and \
+                self.reducer.left_local:  # (after a plain loss.backward() the step completes its reductions)
+            raise RuntimeError(f"step() after backwards that all ran inside no_sync(): at stage "
+                               f"{self.config.stage} the gradients are reduced during backward, so each rank "
+                               f"would update with its own. Run the cycle's last backward outside no_sync(), "
+                               f"as with DDP")
         if self.state is not TrainingState.BACKWARD_DONE:
             self._refuse_unscaled_backward()
         self.step_applied = False
