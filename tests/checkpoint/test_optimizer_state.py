@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import zeroshard
@@ -74,6 +75,17 @@ def _resume_elsewhere(rank: int, world_size: int, directory: str) -> None:
         resumed = _engine(stage, seed=7)
         resumed.load_checkpoint(directory)
         _assert_same_state(optimizer_state_by_name(resumed), saved, f"loaded at N={world_size} stage {stage}")
+    # As many groups, but one parameter moved to the other: its state and hyperparameters would be
+    # the saved group's. Refused by name, as torch's load_state_dict refuses groups of other sizes.
+    torch.manual_seed(7)
+    model = TinyGPT()
+    groups = _groups(model)
+    groups[1]["params"].append(groups[0]["params"].pop(0))
+    regrouped = zeroshard.initialize(model, lambda g: torch.optim.Adam(g, lr=1e-2),
+                                     {"zero_optimization": {"stage": 2}}, param_groups=groups)
+    with pytest.raises(zeroshard.CheckpointError, match=r"param_groups\[0\] holds other parameters than at "
+                                                        r"save time \(\['pos'\] moved"):
+        regrouped.load_checkpoint(directory)
 
 
 def test_two_group_adam_state_resumes_bit_identical(tmp_path):

@@ -73,7 +73,8 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
     shapes = {name: shape for name, (shape, _) in whole_shapes(flats).items()}
     trainable = {slot.names[0] for f in flats if f.trainable for slot in f.layout.slots}
     checkpoint_meta.check_compatible(meta, shapes, trainable, optimizer if optimizer_states else None,
-                                     IMPLEMENTATION_KEYS)
+                                     IMPLEMENTATION_KEYS,
+                                     checkpoint_meta.group_members(flats, len(optimizer.param_groups)))
     saved_keys = checkpoint_meta.read_index(path)
     stored_buffers = {f"buffer/{n}": b.shape for n, b in buffers.items()}
     checkpoint_meta.check_stored(meta, saved_keys, trainable if optimizer_states else set(), stored_buffers)

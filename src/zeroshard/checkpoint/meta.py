@@ -65,6 +65,8 @@ def check_meta(meta: Any) -> None:
     groups = meta["param_groups"]
     _need(isinstance(groups, list) and all(isinstance(g, dict) and _strings(list(g)) and "params" not in g
                                            for g in groups), "param_groups are not a list of dicts")
+    members = meta.get("group_members", [])  # (absent: saved before it was)
+    _need(isinstance(members, list) and all(_strings(m) for m in members), "group_members")
     _need(isinstance(meta.get("optimizer", ""), str), f"optimizer {meta.get('optimizer')!r}")
     _check_extra(meta["extra"])
 
@@ -114,11 +116,19 @@ def _check_extra(extra: Any) -> None:
     _need(_strings(extra.get("state_dict_keys", [])), "state_dict_keys")
 
 
+def group_members(flats: list, groups: int) -> list[list[str]]:
+    """The names of the parameters in each of the optimizer's `groups` parameter groups."""
+    return [sorted(slot.names[0] for f in flats if f.group == g for slot in f.layout.slots)
+            for g in range(groups)]
+
+
 def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], trainable: set[str],
-                     optimizer: torch.optim.Optimizer | None, implementation_keys: Iterable[str]) -> None:
+                     optimizer: torch.optim.Optimizer | None, implementation_keys: Iterable[str],
+                     members: list[list[str]] | None = None) -> None:
     """The checkpoint (its meta checked) is of this model: the same parameters and shapes; and,
     when its optimizer state is to be loaded (`optimizer` given), the same optimizer class, the
-    same parameters trainable, as many parameter groups, and hyperparameters of the same kind."""
+    same parameters trainable, the same parameter groups (`members`: their parameters' names), and
+    hyperparameters of the same kind."""
     theirs = {name: tuple(shape) for name, (shape, _) in meta["shapes"].items()}
     missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
     if missing or extra:
@@ -149,6 +159,12 @@ def check_compatible(meta: dict[str, Any], ours: dict[str, tuple[int, ...]], tra
     if len(meta["param_groups"]) != len(groups):
         raise CheckpointError(f"checkpoint has {len(meta['param_groups'])} parameter groups, the "
                               f"optimizer has {len(groups)}; use as many, or {_WEIGHTS_ALONE}")
+    for i, (theirs, mine) in enumerate(zip(meta.get("group_members") or [], members or [])):
+        if sorted(theirs) != mine:
+            moved = sorted(set(theirs) ^ set(mine))
+            raise CheckpointError(f"param_groups[{i}] holds other parameters than at save time ({moved[:5]} "
+                                  f"moved between groups): the saved group's hyperparameters and state would "
+                                  f"apply to them. Group the parameters as when saving, or {_WEIGHTS_ALONE}")
     _check_groups(meta["param_groups"], groups, set(implementation_keys) | {"params"})
 
 

@@ -168,4 +168,5 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pie
             "elementwise": sorted(elementwise), "trainable": trainable, "scalars": scalars,
             "scalars_on_device": on_device, "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            "group_members": checkpoint_meta.group_members(flats, len(optimizer.param_groups)),
             "optimizer": type(optimizer).__name__, "extra": extra}
