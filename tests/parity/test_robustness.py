@@ -242,6 +242,16 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     with pytest.raises(TypeError, match="scheduler instance was built over another optimizer"):
         other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1.0)
         zeroshard.initialize(model, _sgd, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    # A scheduler stepped on a metric cannot be stepped by the engine: refused at initialize (it
+    # failed half-way through the first step). Built over engine.optimizer, the user steps it.
+    plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)  # noqa: E731
+    with pytest.raises(TypeError, match="ReduceLROnPlateau steps on a metric"):
+        zeroshard.initialize(nn.Linear(4, 4), _sgd, lr_scheduler=plateau)
+    mine = zeroshard.initialize(nn.Linear(4, 4), _sgd)
+    lr, by_hand = mine.get_lr()[0], plateau(mine.optimizer)
+    for _ in range(3):
+        by_hand.step(1.0)
+    assert mine.get_lr()[0] < lr
     with pytest.raises(ValueError, match="bfloat16 but the config trains in fp32"):
         zeroshard.initialize(nn.Linear(4, 4).bfloat16(), _sgd)
     if hasattr(torch.optim, "Adafactor"):

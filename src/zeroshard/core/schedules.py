@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Callable
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from ..config.sections import ConfigError, SchedulerConfig
 
@@ -36,6 +36,15 @@ def scheduler_factory(lr_scheduler: Any, section: SchedulerConfig | None) -> Cal
         raise ConfigError("the config has a \"scheduler\" section and initialize() got lr_scheduler=: "
                           "the engine steps one schedule; remove one of them")
     return partial(DeepSpeedSchedule, config=section)
+
+
+def refuse_metric_schedule(scheduler: Any) -> None:
+    """The engine steps its scheduler after each update, with no argument: one that needs a metric
+    (ReduceLROnPlateau) is refused at initialize, not at the first step, half-way through it."""
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise TypeError("lr_scheduler= ReduceLROnPlateau steps on a metric, which the engine's step() "
+                        "does not have: leave it out of initialize(), build it over engine.optimizer, "
+                        "and call its step(val_loss) yourself after each evaluation")
 
 
 class DeepSpeedSchedule(LRScheduler):

@@ -35,7 +35,7 @@ from ..core.policy import Buckets, StagePolicy
 from ..core.precision import LossScaler, Precision, convert_buffers
 from ..core.prefetch import UnitOrder, gathering_limits
 from ..core.reduce import GradientReducer
-from ..core.schedules import scheduler_factory
+from ..core.schedules import refuse_metric_schedule, scheduler_factory
 from ..core.pipeline import PipelinedUpdate
 from ..core.step import StepInputs, sharded_step
 from ..core.units import NamedParams, Unit, build_units, install_hooks, persistent_buffers
@@ -149,6 +149,7 @@ class Engine(EngineState, EngineCompat):
         # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        refuse_metric_schedule(self.lr_scheduler)
         delayed = self.copier if config.delayed_param_update else None
         self.pipeline = PipelinedUpdate(comm.device) if config.pipelined else None
         for flat in self.flats:
