@@ -55,18 +55,19 @@ class NonFiniteGuard:
         found = self.comm.all_gather_objects((first, bad_loss))
         self.end_cycle()
         hits = [(hit, r) for r, (hit, _) in enumerate(found) if hit is not None]
-        where = "no gradient element is (their squared norm overflowed)"
+        what = "gradient norm: every element is finite, but their squared norm overflowed"
         if hits:
             (_, _, element, name, label, value), rank = min(hits)
-            where = f"first in {label}, parameter '{name}' (element {element}: {value}, rank {rank}'s shard)"
+            what = (f"gradient, first in {label}, parameter '{name}' (element {element}: {value}, rank "
+                    f"{rank}'s shard)")
         losses = [r for r, (_, bad) in enumerate(found) if bad]
         loss_note = f"; the loss was not finite on ranks {losses}" if losses else ""
         if self.action == "skip":
             self.skipped += 1
             if self.comm.rank == 0:  # every rank skips it: one line says so
-                logger.warning("step %d skipped: non-finite gradient %s%s", step, where, loss_note)
+                logger.warning("step %d skipped: non-finite %s%s", step, what, loss_note)
             return
-        raise NonFiniteError(f"step {step}: non-finite gradient, {where}{loss_note}. Lower the learning "
+        raise NonFiniteError(f"step {step}: non-finite {what}{loss_note}. Lower the learning "
                              f"rate, enable gradient_clipping, or set \"zeroshard\": {{\"on_nonfinite\": "
                              f"\"skip\"}} to skip such steps")
 
