@@ -294,6 +294,12 @@ def _bad_checkpoints(rank: int, world_size: int, directory: str) -> None:
     with pytest.raises(zeroshard.CheckpointError, match=r"missing \['head.weight'\].*tied \['head.weight'\] "
                                                         r"to another parameter"):
         untied.load_checkpoint(os.path.join(directory, "saved"))
+    torch.manual_seed(0)
+    counted = TinyGPT()
+    counted.register_buffer("seen", torch.zeros(2))  # a buffer added since the save
+    counted = zeroshard.initialize(counted, _adamw, {"zero_optimization": {"stage": 1}})
+    with pytest.raises(zeroshard.CheckpointError, match=r"another model: buffers missing \['seen'\]"):
+        counted.load_checkpoint(os.path.join(directory, "saved"))
     with pytest.raises(zeroshard.CheckpointError, match="cannot read checkpoint"):
         engine.load_checkpoint(os.path.join(directory, "corrupt"))
     sgd = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": 1}})

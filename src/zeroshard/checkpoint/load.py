@@ -76,6 +76,7 @@ def load(path: str, flats: list[FlatParam], optimizer: torch.optim.Optimizer, co
                                      IMPLEMENTATION_KEYS,
                                      checkpoint_meta.group_members(flats, len(optimizer.param_groups)))
     saved_keys = checkpoint_meta.read_index(path)
+    checkpoint_meta.check_buffers(meta, saved_keys, {n: tuple(b.shape) for n, b in buffers.items()})
     stored_buffers = {f"buffer/{n}": b.shape for n, b in buffers.items()}
     checkpoint_meta.check_stored(meta, saved_keys, trainable if optimizer_states else set(), stored_buffers)
     small: dict[str, Any] = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in buffers.items()}

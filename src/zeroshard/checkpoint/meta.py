@@ -214,6 +214,20 @@ def stored_size(index: dict[str, Any], key: str) -> tuple[int, ...] | None:
     return None
 
 
+def check_buffers(meta: dict[str, Any], index: dict[str, Any], ours: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint holds this model's buffers (those state_dict() holds), no other, each of its
+    shape: a buffer added or removed since the save is named, not met as damaged metadata."""
+    missing, extra = sorted(set(ours) - set(meta["buffers"])), sorted(set(meta["buffers"]) - set(ours))
+    if missing or extra:
+        raise CheckpointError(f"checkpoint is from another model: buffers missing {missing[:5]}, unexpected "
+                              f"{extra[:5]}; load it into the model it was saved from")
+    for name, shape in ours.items():
+        saved = stored_size(index, f"buffer/{name}")
+        if saved is not None and tuple(saved) != tuple(shape):
+            raise CheckpointError(f"checkpoint is from another model: buffer '{name}' has shape "
+                                  f"{tuple(saved)} there, {tuple(shape)} here")
+
+
 def check_stored(meta: dict[str, Any], index: dict[str, Any], optimized: set[str],
                  tensors: dict[str, tuple[int, ...]]) -> None:
     """Every piece `meta` names is stored, 1-d, as long as its starts imply: the parameter's, and
