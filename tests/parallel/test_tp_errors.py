@@ -33,6 +33,10 @@ def _errors(rank: int, world_size: int, root: str) -> None:
             lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"], {"blocks.*.up": "colwise_rep"}))
     _raises("matched no module", lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"], {"nope.*": "colwise"}))
     _raises("carries no tensor-parallel plan", lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"]))
+    with zeroshard.init():
+        deferred = tiny()
+    _raises("built under zeroshard.init\\(\\): splitting deferred",
+            lambda: zeroshard.tensor_parallel(deferred, mesh["tp"], TINY_PLAN))
     _raises("does not divide the model's num_attention_heads = 3",
             lambda: zeroshard.tensor_parallel(Llama(heads=3).lm, mesh["tp"]))
     # A refused model is left as it was, and the ranks still agree: a real run follows.

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..config import ConfigError
+from ..construct import is_deferred
 from .mesh import check_heads
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -55,6 +56,10 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] 
     if tp_mesh.ndim != 1:
         raise ConfigError(f"tensor_parallel takes the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} "
                           f"dimensions")
+    if any(is_deferred(p) for p in model.parameters()):
+        raise ConfigError("tensor_parallel() of a model built under zeroshard.init(): splitting deferred "
+                          "tensors is not supported yet. Build it without zeroshard.init() (each rank "
+                          "holds it whole until the split), or call zeroshard.materialize(model) first")
     root, plan = (model, plan) if plan is not None else model_plan(model)
     styles = plan_styles(plan)
     check_heads(model, tp_mesh.size())
