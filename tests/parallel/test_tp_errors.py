@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
@@ -33,6 +34,8 @@ def _errors(rank: int, world_size: int, root: str) -> None:
             lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"], {"blocks.*.up": "colwise_rep"}))
     _raises("matched no module", lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"], {"nope.*": "colwise"}))
     _raises("carries no tensor-parallel plan", lambda: zeroshard.tensor_parallel(tiny(), mesh["tp"]))
+    _raises("'0', of size 5, which tp = 2 does not divide",  # (DTensor would split it unevenly)
+            lambda: zeroshard.tensor_parallel(nn.Sequential(nn.Linear(4, 5)), mesh["tp"], {"0": "colwise"}))
     with zeroshard.init():
         deferred = tiny()
     _raises("built under zeroshard.init\\(\\): splitting deferred",

@@ -10,6 +10,8 @@ partitioning of block inputs assumes they are replicated.
 """
 from __future__ import annotations
 
+from fnmatch import fnmatch
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -38,6 +40,31 @@ def model_plan(model: nn.Module) -> tuple[nn.Module, dict[str, str]]:
                       f"plan={{'layers.*.attn.q': 'colwise', 'layers.*.attn.out': 'rowwise'}})")
 
 
+def _split_size(module: nn.Module, style: str) -> int | None:
+    """The size a style splits: a Linear's outputs (colwise) or inputs (rowwise); None for a module
+    of another kind (an Embedding's rows, for one, DTensor may split unevenly)."""
+    if isinstance(module, nn.Linear):
+        return module.out_features if style == "colwise" else module.in_features
+    return None
+
+
+def check_split_sizes(root: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """Every size the plan splits is a multiple of tp (torch would split it unevenly, and the first
+    forward fail deep inside DTensor); patterns match as parallelize_module matches them, a name
+    part at a time with fnmatch."""
+    for name, module in root.named_modules():
+        parts = name.split(".")
+        for pattern, style in plan.items():
+            atoms = pattern.split(".")
+            if len(atoms) != len(parts) or not all(fnmatch(p, a) for p, a in zip(parts, atoms)):
+                continue
+            size = _split_size(module, style)
+            if size is not None and size % tp:
+                raise ConfigError(f"tensor-parallel plan entry {pattern!r} ({style}) splits '{name}', of "
+                                  f"size {size}, which tp = {tp} does not divide; choose a tp size that "
+                                  f"divides it")
+
+
 def plan_styles(plan: dict[str, str]) -> dict[str, ColwiseParallel | RowwiseParallel]:
     """{pattern: torch's style} of a plan; ConfigError naming the first entry of a style not taken."""
     styles = {}
@@ -63,6 +90,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] 
     root, plan = (model, plan) if plan is not None else model_plan(model)
     styles = plan_styles(plan)
     check_heads(model, tp_mesh.size())
+    check_split_sizes(root, plan, tp_mesh.size())
     before = {id(p) for p in root.parameters()}
     parallelize_module(root, tp_mesh, styles)
     if {id(p) for p in root.parameters()} == before:
