@@ -89,7 +89,7 @@ LAYERS: dict[str, set[str]] = {
     "paper": set(),                       # the paper's analytic model
     "construct": set(),                   # partitioned construction (deferred tensors)
     "comm": {"common", "config"},         # every collective, counted; devices; divergence
-    "parallel": {"common", "config", "comm"},             # tensor parallelism, ZeRO-R activations
+    "parallel": {"common", "config", "comm", "construct"},  # tensor parallelism, ZeRO-R activations
     "offload": {"common", "config", "comm"},              # host copies, disk files
     "core": {"common", "config", "comm", "parallel", "offload", "construct"},  # the mechanism
     "checkpoint": {"common", "config", "comm", "parallel", "offload", "core"},
