@@ -126,7 +126,7 @@ class EngineCompat:
 
     @property
     def dp_world_size(self) -> int:
-        return self.comm.data_parallel[1]
+        return self.world_size
 
     @property
     def local_rank(self) -> int:

@@ -83,7 +83,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str] 
     if tp_mesh.ndim != 1:
         raise ConfigError(f"tensor_parallel takes the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} "
                           f"dimensions")
-    if any(is_deferred(p) for p in model.parameters()):
+    if is_deferred(model):
         raise ConfigError("tensor_parallel() of a model built under zeroshard.init(): splitting deferred "
                           "tensors is not supported yet. Build it without zeroshard.init() (each rank "
                           "holds it whole until the split), or call zeroshard.materialize(model) first")

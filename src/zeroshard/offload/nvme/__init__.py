@@ -56,7 +56,8 @@ def needed_bytes(config: Config, module: nn.Module, world_size: int, states: int
         needs[nv.optimizer_path] = needs.get(nv.optimizer_path, 0) + 4 * (1 + states) * owned(trainable)
     if nv.params:
         compute = torch.empty(0, dtype=config.dtype(None)).element_size()
-        needs[_param_path(config)] = needs.get(_param_path(config), 0) + compute * owned(params)
+        path = _param_path(config)
+        needs[path] = needs.get(path, 0) + compute * owned(params)
     return needs
 
 
