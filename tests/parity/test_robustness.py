@@ -299,6 +299,24 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
                 edited.step()
         else:
             edited.step()
+    # At stage 3 a module writing its own weight in forward (Embedding's max_norm renormalizes the
+    # rows it reads) writes the gathered copy, which is freed after use: refused by name when freed.
+    # Renormalized inside gathered_parameters(modifier_rank=0) instead, the change is kept.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(5, 4, max_norm=1.0), nn.ModuleList([nn.Linear(4, 1)]))
+    model.forward = lambda x: model[1][0](model[0](x)).sum()
+    with torch.no_grad():
+        model[0].weight.mul_(3.0)
+    renormed = zeroshard.initialize(model, _sgd, {"zero_optimization": {"stage": 3}})
+    with pytest.raises(RuntimeError, match="0.weight changed in place while gathered"):
+        renormed.backward(renormed(torch.tensor([1, 2])))
+    model[0].max_norm = None
+    renormed.backward(renormed(torch.tensor([1, 2])))
+    renormed.step()
+    with torch.no_grad(), renormed.gathered_parameters(modifier_rank=0):
+        model[0].weight.copy_(torch.renorm(model[0].weight, 2, 0, 1.0))
+    norms = renormed.full_state_dict()["0.weight"].norm(dim=1)
+    assert norms.max() <= 1.0 + 1e-6 and norms.min() > 0.5, norms
     # DeepSpeed's conveniences, and nn.Module's names answered with what to use instead.
     assert engine.get_lr() == [0.1] and engine.get_global_grad_norm() > 0
     engine.zero_grad()  # a torch loop's habit before the forward: nothing to clear

@@ -254,13 +254,14 @@ class FlatParam(FlatGrad):
             self._set_state(ParamState.UNSHARDED)
 
     def reshard(self, keep_secondary: bool = False) -> None:
-        """Release `full` (stage 3). Parameters become empty so stray use fails loudly, not silently.
-        `keep_secondary` (the end of a unit's forward): with hpZ, keep this rank's 1/k of `full`
-        for backward's gather inside the node."""
+        """Release `full` (stage 3): parameters become empty, so stray use fails loudly. `keep_secondary`
+        (a unit's forward ends): with hpZ, keep this rank's 1/k of `full` for backward's gather."""
         if self.persistent or self.state is ParamState.SHARDED:
             return
         complete(self._gathering)  # an all-gather in flight must land before its storage goes
-        self.refuse_replaced()  # (their values would be lost unseen)
+        self.refuse_replaced()  # (their values would be lost unseen) ...
+        if self.state is ParamState.UNSHARDED:  # ... as would a write in place
+            self._placeholder.refuse_lost(self.params, self.layout.slots)
         pp = self.comm.zeropp
         if keep_secondary and pp is not None and pp.secondary is not None and self.secondary is None:
             a, b = quantized.secondary_range(pp, self.full.numel())
@@ -332,18 +333,17 @@ class FlatParam(FlatGrad):
         self.send_values(written)
         return self.policy.shard_optimizer and self.persistent
 
-    def drop_secondary(self) -> None:
-        """hpZ's secondary shard holds the values before a change: gone with them."""
-        self.secondary = None
-
     def _values_change(self) -> None:
-        self.drop_secondary()
+        self.secondary = None  # (hpZ's secondary shard holds the values before the change)
         # The values change under every parameter's feet (they view `full`, or are placeholders):
         # a graph recorded before, backpropagated after, is refused by autograd as in plain torch.
         torch.autograd.graph.increment_version(self.params)
+        self.note_writes()
+
+    def note_writes(self) -> None:
+        """The versions now are no user's write (the engine's, or gathered_parameters' taken/undone)."""
         self.writes.note()
-        if self.state is not ParamState.UNSHARDED:  # placeholders: this bump is no user's write
-            self._placeholder.note(self.params)
+        self._placeholder.note(self.params)
 
     def begin_update(self, pending: Any) -> None:
         """A pipelined update of this buffer starts (pipeline.py), on the caller's thread: what
@@ -387,7 +387,7 @@ class FlatParam(FlatGrad):
 
     def before_master_changes(self) -> None:
         """The master is about to be written (the step, a load): a copy up still reading it ends first."""
-        self.drop_secondary()
+        self.secondary = None  # (hpZ's secondary shard holds the values before the change)
         if self.host is not None:
             self.host.before_master_changes()
 

@@ -70,6 +70,19 @@ class Placeholders:
         if views is None:
             self.check_untouched(params, slots)
 
+    def refuse_lost(self, params: list[nn.Parameter], slots: list[Slot]) -> None:
+        """Before a gathered buffer is freed: none of its parameters was written in place while
+        gathered (the versions noted on the placeholder stand while gathered: check_untouched)."""
+        written = [slot.names[0] for p, slot, v in zip(params, slots, self.versions or ()) if p._version != v]
+        if written:
+            self.note(params)  # refused once: the buffer stays gathered, whole, for a retry
+            raise RuntimeError(
+                f"{', '.join(written[:3])} changed in place while gathered (in forward, a module writing "
+                f"its own weight: nn.Embedding(max_norm=...) renormalizes the rows it reads; or a hook): "
+                f"stage 3 frees the gathered parameters after use and keeps only this rank's shard, so "
+                f"the change would be lost. Drop the write (for max_norm: renormalize the weight inside "
+                f"`with engine.gathered_parameters(modifier_rank=0):` after engine.step())")
+
     def check_untouched(self, params: list[nn.Parameter], slots: list[Slot]) -> None:
         """Before the parameters view gathered values again: none was written meanwhile."""
         versions = self.versions  # (kept: only pointing at the placeholder again notes new ones)

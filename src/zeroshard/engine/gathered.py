@@ -88,8 +88,8 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
                 for flat, before in zip(flats, seen):
                     if flat.persistent and flat.state is ParamState.UNSHARDED:
                         flat.full.copy_(before)
-        for flat in flats:  # edits inside were taken or undone: none is left for the step to refuse
-            flat.writes.note()
+        for flat in flats:  # edits inside were taken or undone: none is left to refuse
+            flat.note_writes()
         for unit in units:
             unit.reshard()  # stage 3 only: buffers kept gathered stay
 

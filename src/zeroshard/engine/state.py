@@ -122,7 +122,7 @@ class EngineState:
             if load_module_only else None
         self._reshard_units()  # what is gathered now would shadow the loaded shards
         for flat in self.flats:
-            flat.drop_secondary()  # (hpZ: and what forward left for backward)
+            flat.secondary = None  # (hpZ: what forward left for backward holds old values)
         if self.pipeline is not None:
             self.pipeline.reset()  # a failed update's error is answered by this load
         self.wait_for_parameters()
