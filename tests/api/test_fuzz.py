@@ -554,7 +554,7 @@ UNTRAINABLE = {
     "a lazy module": (lambda: nn.Sequential(nn.LazyLinear(2)), "uninitialized"),
     "a sparse embedding": (lambda: nn.Sequential(nn.Linear(2, 2), nn.Embedding(4, 2, sparse=True)),
                            "sparse=False"),
-    "complex parameters": (lambda: nn.Linear(2, 2, dtype=torch.complex64), "one floating dtype"),
+    "complex parameters": (lambda: nn.Linear(2, 2, dtype=torch.complex64), "torch.complex(real, imag)"),
     "parameters of two dtypes": (lambda: nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()),
                                  "one floating dtype"),
     "fp64 parameters in fp32": (lambda: nn.Linear(2, 2).double(), "enable \"bf16\""),

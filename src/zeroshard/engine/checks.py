@@ -42,6 +42,11 @@ def check_model(module: nn.Module, config: Config) -> None:
             raise ValueError(f"parameter '{name}' is on the meta device; materialize the model "
                              f"(e.g. model.to_empty(device=...) and initialize it) first")
     dtypes = {p.dtype for p in params.values()}
+    complex_ = [name for name, p in params.items() if p.is_complex()]
+    if complex_:  # (model.float() keeps them complex: no conversion to advise)
+        raise ValueError(f"parameter '{complex_[0]}' is {params[complex_[0]].dtype}: zeroshard trains real "
+                         f"floating parameters only; keep a complex weight as two real parameters, its real "
+                         f"and imaginary parts, and combine them in forward with torch.complex(real, imag)")
     if len(dtypes) > 1 or not next(iter(dtypes)).is_floating_point:
         raise ValueError(f"all parameters must share one floating dtype, got {sorted(map(str, dtypes))}; "
                          f"convert the model with model.float() (for mixed precision, keep it fp32 "
