@@ -354,3 +354,13 @@ def test_a_tag_that_cannot_name_a_checkpoint_is_refused_before_writing(one_proce
     with pytest.raises(error, match="tag"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag=tag)
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "outside").exists()
+
+
+def test_consolidate_gives_what_full_state_dict_gives_in_bf16(one_process_group, tmp_path):
+    """A bf16 run's floating buffers come out in fp32 from both exports, as its parameters do."""
+    engine = _engine(3, seed=0, bf16={"enabled": True})
+    _train(engine, 0, 1, range(1))
+    engine.save_checkpoint(str(tmp_path))
+    full, weights = engine.full_state_dict(), zeroshard.consolidate(str(tmp_path))
+    assert list(weights) == list(full) and weights["scale"].dtype == torch.float32
+    assert all(weights[k].dtype == v.dtype and torch.equal(weights[k], v) for k, v in full.items())

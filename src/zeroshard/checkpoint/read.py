@@ -154,7 +154,9 @@ def consolidate(path: str, output: str | None = None) -> dict[str, torch.Tensor]
         whole = from_canonical(flat, shape, meta.get("dims", {}).get(name, 0))
         for alias in aliases:
             values[alias] = whole.clone()
-    values.update({n: request[f"buffer/{n}"] for n in meta["buffers"]})
+    for n in meta["buffers"]:  # floating ones in fp32, as engine.full_state_dict() gives them
+        b = request[f"buffer/{n}"]
+        values[n] = b.float() if b.is_floating_point() else b
     order = meta["extra"].get("state_dict_keys", list(values))
     weights = {k: values[k] for k in order if k in values}
     if output is not None:
