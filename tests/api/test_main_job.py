@@ -249,6 +249,8 @@ def test_user_errors(args, message):
         args = [args[0], "--device", "cpu", *args[1:]]
     done = zeroshard_here(*args)  # refused before any rank starts: no subprocess needed
     assert done.returncode == 2 and message in done.stderr, done.stderr
+    checkpoints_fault = args[0] == "consolidate" and message == "does not exist"  # (no usage line)
+    assert ("usage: zeroshard" in done.stderr) != checkpoints_fault, done.stderr
 
 
 @pytest.mark.parametrize("command", ["train", "compare", "estimate", "consolidate"])

@@ -229,8 +229,8 @@ def _run_consolidate(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         weights = zeroshard.consolidate(args.checkpoint, output=args.output)
         config = _model_config(zeroshard.checkpoint_info(args.checkpoint))
-    except zeroshard.CheckpointError as e:
-        parser.error(str(e))
+    except zeroshard.CheckpointError as e:  # the checkpoint's fault, not the options': no usage line
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"wrote {len(weights)} tensors to {args.output}")
     if config is not None:
         kind, values = config
