@@ -5,7 +5,8 @@ Compile: `model.compile()` before `initialize` and per-block compilation (FSDP2'
 eager (inductor fuses, so the sums run in another order: tolerance as the other fp32 parity tests),
 and nothing recompiles after the first step (dynamo's counters). Stage 3's hooks swap parameter
 storage in and out, which dynamo cannot trace: they run eagerly at a graph break on unit boundaries.
-Checkpointing: `gradient_checkpointing_enable`, reentrant and not, recomputes each block inside
+Compiled blocks also run as zeroshard's own checkpoints (the checkpoint's bookkeeping runs at a graph
+break). Checkpointing: `gradient_checkpointing_enable`, reentrant and not, recomputes each block inside
 backward, where stage 3 must keep the unit it gathered for backward."""
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ def _compiled(rank: int, world_size: int) -> None:
             more_losses = run_steps(engine, data(world_size)[:2], rank)  # after these: no recompiling
             assert dynamo.utils.counters["stats"]["unique_graphs"] == graphs, f"{what}: recompiled"
             assert all(torch.isfinite(torch.tensor(more_losses))), what
+    for how, stage in (("model", 1), ("blocks", 3)):  # with zeroshard's own checkpoints (ZeRO-R)
+        model = gpt2()
+        for part in [model] if how == "model" else model.transformer.h:
+            part.compile()
+        config = {"zero_optimization": {"stage": stage}, "activation_checkpointing": {}}
+        engine = zeroshard.initialize(model, sgd, config)
+        check(engine, run_steps(engine, data(world_size), rank), expected,
+              f"compiled {how} with ZeRO-R checkpoints, stage {stage}")
 
 
 def _checkpointed(rank: int, world_size: int) -> None:

@@ -12,7 +12,8 @@ buffer allocated once (and grown only if a forward needs more), instead of one a
 interleaved with short-lived tensors (fragmentation).
 
 The checkpoint is reentrant (an autograd.Function whose backward runs a nested forward and
-backward), like torch.utils.checkpoint(use_reentrant=True); RNG state is restored for the
+backward), like torch.utils.checkpoint(use_reentrant=True), but a block whose inputs need no gradient
+still trains (`_anchor`); RNG state is restored for the
 recompute, so dropout draws the same mask, and so is autocast (backward usually runs outside the
 forward's `torch.autocast` region: the recompute would otherwise run in another precision). Kept
 chunks are saved with save_for_backward, so torch.autograd.graph.saved_tensors_hooks sees exactly
@@ -56,12 +57,14 @@ class CheckpointStore:
         self._buffer: torch.Tensor | None = None  # MD: one allocation for a forward's chunks
         self._used = 0
 
+    @torch.compiler.disable
     def held(self) -> dict[str, int]:
         """Bytes of kept chunks alive now, by place."""
         self._chunks = [(ref, n) for ref, n in self._chunks if ref() is not None]
         total = sum(n for _, n in self._chunks)
         return {"device": 0, "host": 0, self.where: total}
 
+    @torch.compiler.disable
     def keep(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of `x` (all of it without partitioning), where it is to be kept."""
         flat = x.detach().reshape(-1)
@@ -75,6 +78,7 @@ class CheckpointStore:
         self.peak[self.where] = max(self.peak[self.where], now)
         return out
 
+    @torch.compiler.disable
     def restore(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The whole input again, on the compute device (collective over tp when partitioned)."""
         local = self._ahead.pop(id(part), None)
@@ -128,10 +132,13 @@ class CheckpointStore:
 
 
 class _Checkpoint(torch.autograd.Function):
-    """forward(run, store, box, *tensors): run without saving; backward: restore, rerun, backprop."""
+    """forward(run, store, box, anchor, *tensors): run without saving; backward: restore, rerun,
+    backprop. `anchor` (an empty tensor that requires grad, or None) only ties the outputs to the
+    graph (checkpoint_module says when)."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable, store: CheckpointStore, box: dict, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, run: Callable, store: CheckpointStore, box: dict, anchor: torch.Tensor | None,
+                *tensors: torch.Tensor) -> Any:
         ctx.run, ctx.store = run, store
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(store.device) if store.device.type == "cuda" else None
@@ -169,15 +176,18 @@ class _Checkpoint(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None) + tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
-                                          for t in inputs)
+        return (None,) * 4 + tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                                   for t in inputs)
 
 
 def checkpoint_module(module: nn.Module, store: CheckpointStore) -> None:
     """Make `module`'s forward a ZeRO-R checkpoint (whenever gradients are on)."""
     original = module.forward
 
+    # Under torch.compile the checkpoint's bookkeeping (the store's chunks, weakly referenced) runs at
+    # a graph break: dynamo would trace it into stale tensors. What the block runs is left to dynamo.
     @functools.wraps(original)
+    @torch.compiler.disable(recursive=False)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
@@ -192,10 +202,21 @@ def checkpoint_module(module: nn.Module, store: CheckpointStore) -> None:
             a, k = tree_unflatten(filled, spec)
             return original(*a, **k)
         box: dict = {}
-        out = iter(_Checkpoint.apply(run, store, box, *(leaves[i] for i in where)))
+        tensors = [leaves[i] for i in where]
+        out = iter(_Checkpoint.apply(run, store, box, _anchor(module, tensors), *tensors))
         filled = [next(out) if isinstance(x, torch.Tensor) else x for x in box["leaves"]]
         return tree_unflatten(filled, box["spec"])
     module.forward = forward
+
+
+def _anchor(module: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """A reentrant checkpoint's outputs need a gradient only if one of its inputs does: blocks fed by
+    a frozen embedding (a LoRA fine-tune's layout) would never run backward, so never train (torch's
+    use_reentrant=True pitfall). Where no input requires grad but the block trains, an empty input
+    that does ties its outputs to the graph."""
+    if any(t.requires_grad for t in inputs) or not any(p.requires_grad for p in module.parameters()):
+        return None
+    return torch.empty(0, requires_grad=True)
 
 
 def _is_kv_cache(x: Any) -> bool:
