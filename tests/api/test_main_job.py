@@ -32,7 +32,8 @@ def _train_losses(out: str) -> list[float]:
 
 def test_train_resume_and_consolidate(tmp_path):
     out = str(tmp_path / "run")
-    first = zeroshard("train", "--steps", "20", "--nproc", "2", "--size", "tiny", "--out", out).stdout
+    first = zeroshard("train", "--steps", "20", "--nproc", "2", "--size", "tiny", "--seed", "5",
+                      "--out", out).stdout
     assert "ZeRO stage 3, 2 ranks on cpu (gloo)" in first and "sample:" in first
     assert "traffic per step" in first
     assert "inside nodes: " in first and "across nodes: 0.00 MiB" in first  # one machine: one node
@@ -44,16 +45,18 @@ def test_train_resume_and_consolidate(tmp_path):
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step20"
     losses = _train_losses(out)
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0  # it learns
-    # --resume alone continues the run as it was trained (its model, stage, precision, micro-batch),
-    # and says so, rather than building the default model or changing stage unseen.
+    # --resume alone continues the run as it was trained (its model, stage, precision, micro-batch,
+    # and the seed that draws its batches), and says so, rather than building the default model,
+    # changing stage or drawing other batches unseen.
     again = zeroshard("train", "--steps", "22", "--out", out, "--resume").stdout
     assert "--resume: the run's own settings: --size tiny --seq-len 64 --stage 3 --precision fp32 " \
-        "--batch-size 8" in again and "ZeRO stage 3, 2 ranks" in again, again
+        "--batch-size 8 --seed 5\n" in again and "ZeRO stage 3, 2 ranks" in again, again
     # Resume on 3 ranks at stage 2, now with optimizer offload and compiled blocks: given flags win.
     second = zeroshard("train", "--steps", "25", "--nproc", "3", "--stage", "2", "--size", "tiny",
                        "--out", out, "--resume", "--offload-optimizer", "--compile").stdout
     assert "ZeRO stage 2, 3 ranks" in second and "MiB in host memory" in second
-    assert "this command's settings instead of the run's: --stage 2 (the run had --stage 3)" in second, second
+    assert "this command's settings instead of the run's: --stage 2 (the run had --stage 3); " \
+        "--offload-optimizer cpu (the run had none)" in second, second
     assert "3 data-parallel ranks where the run had 2: the global batch is now 24 sequences (was 16" in second
     resumed = _train_losses(out)
     assert resumed[:20] == losses and len(resumed) == 25
@@ -87,6 +90,13 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     done = zeroshard_here("train", "--device", "cpu", *common, "--resume", "--out", str(tmp_path / "a"))
     assert done.returncode == 2 and "at step 2 and --steps is 2 in total, so there is nothing to train" \
         in done.stderr, done.stderr
+    # A resume whose accumulation would put every later checkpoint inside a cycle: refused up front.
+    accumulating = tmp_path / "accumulating.json"
+    accumulating.write_text(json.dumps({**json.loads(config.read_text()), "gradient_accumulation_steps": 4}))
+    done = zeroshard_here("train", "--device", "cpu", *common[:-1], str(accumulating), "--steps", "8",
+                          "--resume", "--out", str(tmp_path / "a"))
+    assert done.returncode == 2 and "is at step 2, which does not end a cycle of " \
+        "gradient_accumulation_steps 4" in done.stderr, done.stderr
     # Flags that build another model than the run's are named before any rank starts.
     done = zeroshard_here("train", "--device", "cpu", *common, "--width", "32", "--steps", "4", "--resume",
                           "--out", str(tmp_path / "a"))

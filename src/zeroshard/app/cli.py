@@ -46,8 +46,8 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool)
                                     "optimizer, scheduler, clipping and accumulation are used; a flag "
                                     "given on the command line overrides the config")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial values, the batches "
-                                                     "and the sample (default 0)")
+    p.add_argument("--seed", type=int, help="seed of the model's initial values, the batches and the "
+                                            "sample (default 0; --resume: the run's)")
 
 
 def _add_offload_options(p: argparse.ArgumentParser) -> None:
@@ -309,7 +309,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except (OSError, ValueError, RuntimeError) as e:
         parser.error(str(e))
     if args.command == "train":
-        check_steps_beyond_checkpoint(parser, train_args)
+        check_steps_beyond_checkpoint(parser, train_args, accumulation)
     with ranks_report_errors(parser):
         if args.command == "train":
             launch(train_args)

@@ -16,10 +16,11 @@ from .sizes import SIZES
 _USER_ERRORS = ("CheckpointError", "ConfigError", "ModelMismatchError", "NonFiniteError", "DivergenceError")
 
 
-def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None:
+def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args, accumulation: int = 1) -> None:
     """An --out holding an earlier run's checkpoints: a new run moves them aside (keep_aside) and says
     where; --resume continues from them, and with --steps at or below their step would train
-    nothing: say so."""
+    nothing: say so. Its step must end an accumulation cycle of this run's config, or every later
+    checkpoint would fall inside one."""
     from .restart import LATEST, checkpoints_of
     checkpoints = checkpoints_of(args.out)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -43,15 +44,20 @@ def check_steps_beyond_checkpoint(parser: argparse.ArgumentParser, args) -> None
     if done >= args.steps:
         parser.error(f"--resume: the checkpoint in {args.out} is at step {done} and --steps is "
                      f"{args.steps} in total, so there is nothing to train; give --steps above {done}")
+    if done % accumulation:
+        parser.error(f"--resume: the checkpoint in {args.out} is at step {done}, which does not end a cycle "
+                     f"of gradient_accumulation_steps {accumulation}: the steps after it would not end "
+                     f"with a checkpoint. Resume with an accumulation that divides {done} (the run's own "
+                     f"does), or start a new run")
 
 
 # What --resume takes from the run it continues where this command gives no value (the flags'
 # defaults are None or empty): its model, data, config, stage, precision, micro-batch and offloads,
-# and its activation checkpointing (a flag that is only ever turned on). Not --nproc, --device or
+# its activation checkpointing and its seed (which draws the batches). Not --nproc, --device or
 # --tp (a run resumes on other ranks), nor --lr (the optimizer's state brings its own back).
 _RESUMED = ("size", "layers", "width", "hf_config", "seq_len", "data", "config", "stage", "precision",
             "batch_size", "offload_optimizer", "offload_param", "nvme_path", "activation_checkpointing",
-            "partition_activations", "cpu_checkpointing")
+            "partition_activations", "cpu_checkpointing", "seed")
 _DECIDED_BY_CONFIG = ("stage", "precision", "batch_size")  # a --config given now decides these
 
 
@@ -70,13 +76,15 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     saved, taken, kept = saved if isinstance(saved, dict) else {}, [], []
     for name in _RESUMED:
         value, mine = saved.get(name), getattr(args, name, None)
-        if value in (None, [], False) or name in _DECIDED_BY_CONFIG and args.config is not None:
+        if name in _DECIDED_BY_CONFIG and args.config is not None:
             continue
-        if mine in (None, [], False):
-            setattr(args, name, value)
-            taken.append(name)
+        if _unset(mine):
+            if not _unset(value):
+                setattr(args, name, value)
+                taken.append(name)
         elif mine != value:
-            kept.append(f"{_flag(name, mine)} (the run had {_flag(name, value)})")
+            had = "none" if _unset(value) else _flag(name, value)
+            kept.append(f"{_flag(name, mine)} (the run had {had})")
     if "config" in taken and not os.path.isfile(args.config):
         parser.error(f"--resume: the run in --out {args.out} was configured by --config {args.config}, "
                      f"which is not there now: give its config again with --config")
@@ -109,6 +117,11 @@ def _saved_run(checkpoints: str) -> dict | None:
     except (zeroshard.CheckpointError, AttributeError):
         return None
     return client_state if isinstance(client_state, dict) else None
+
+
+def _unset(value) -> bool:
+    """A flag not given (its default), or a saved setting the run did not have. (0 is a value: a seed.)"""
+    return value is None or value is False or value == []
 
 
 def _flag(name: str, value) -> str:
@@ -254,6 +267,8 @@ def default_run(args: argparse.Namespace) -> None:
     for name in ("size", "seq_len", "steps"):
         if getattr(args, name) is None:
             setattr(args, name, run[name])
+    if args.seed is None:  # (None until here: --resume takes the run's)
+        args.seed = 0
 
 
 def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
