@@ -38,7 +38,7 @@ def test_deepspeed_keys_that_change_nothing_here_are_accepted():
                      "amp", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger")}})
     # DeepSpeed's defaults spelled out, at the values that say what zeroshard does anyway ...
     config = Config.load({"gradient_predivide_factor": 1.0, "sparse_gradients": False, "dump_state": False,
-                          "fp16": {"enabled": True, "auto_cast": False},
+                          "fp16": {"enabled": True, "auto_cast": False, "consecutive_hysteresis": False},
                           "zero_optimization": {"stage": 2, "ignore_unused_parameters": True,
                                                 "elastic_checkpoint": False, "zero_quantized_weights": False,
                                                 "offload_optimizer": {"device": "cpu", "ratio": 1.0}}})
@@ -47,7 +47,8 @@ def test_deepspeed_keys_that_change_nothing_here_are_accepted():
     for raw, said in [({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor': 2.0 asks for"),
                       ({"zero_optimization": {"ignore_unused_parameters": False}}, "it accepts true"),
                       ({"zero_optimization": {"round_robin_gradients": True}}, "it accepts false"),
-                      ({"fp16": {"enabled": True, "auto_cast": True}}, "'fp16.auto_cast': true asks for")]:
+                      ({"fp16": {"enabled": True, "auto_cast": True}}, "'fp16.auto_cast': true asks for"),
+                      ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "it accepts false")]:
         with pytest.raises(ConfigError, match=said):
             Config.load(raw)
 

@@ -41,7 +41,8 @@ NO_OP_VALUES: dict[str, dict[str, tuple[Any, ...]]] = {
     "zero_optimization.offload_optimizer": {  # DeepSpeed's partial offload and host pipeline
         "ratio": (1, 1.0), "fast_init": (False,), "pipeline": (False,), "pipeline_read": (False,),
         "pipeline_write": (False,)},
-    "fp16": {"auto_cast": (False,), "fp16_master_weights_and_grads": (False,)},
+    "fp16": {"auto_cast": (False,), "fp16_master_weights_and_grads": (False,),
+             "consecutive_hysteresis": (False,)},  # the tolerance comes back when the scale grows
     "bf16": {"immediate_grad_update": (False,)},  # DeepSpeed's BF16_Optimizer (none here), as by default
 }
 
