@@ -260,7 +260,11 @@ def test_the_table_columns_stay_aligned():
 def test_bad_input_refused_by_name(tmp_path):
     not_model = tmp_path / "config.json"
     not_model.write_text(json.dumps({"train_batch_size": 8}))
+    short = tmp_path / "short.json"  # a context `zeroshard train` would refuse --seq-len 128 for
+    short.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2,
+                                 "vocab_size": 256, "n_positions": 64}))
     for args, words in [
+        (["--hf-config", str(short), "--seq-len", "128"], "--seq-len 128 exceeds the model's context (64)"),
         (["--hf-config", str(not_model)], "not a model config"),
         (["--hf-config", str(tmp_path / "missing.json")], "--hf-config"),
         (["--model", "tiny", "--nodes", "2", "--gpu-mem", "0"], "--gpu-mem must be"),

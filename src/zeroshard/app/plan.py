@@ -104,9 +104,14 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
         try:
             with open(file, encoding="utf-8") as f:
                 config = json.load(f)
-            return shape_from_hf(config, _model_name(file))
+            shape = shape_from_hf(config, _model_name(file))
         except (OSError, ValueError) as e:
             parser.error(f"--hf-config {args.hf_config}: {e}")
+        context = config.get("n_positions") or config.get("max_position_embeddings")
+        if isinstance(context, int) and seq > context:  # (as `zeroshard train` would refuse the plan)
+            parser.error(f"--seq-len {seq} exceeds the model's context ({context}) in '{file}'; give "
+                         f"--seq-len {context} or less")
+        return shape
     if args.params is not None:
         if args.layers is None or args.width is None:
             parser.error("--params needs --layers and --width (the activations and units depend on them)")
