@@ -164,3 +164,12 @@ def test_hf_blocks_recompute_without_their_kv_cache(one_process_group, arch):
     assert norm_ckpt == pytest.approx(norm, rel=1e-6)
     for name, value in plain.items():
         torch.testing.assert_close(recomputed[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_model_with_no_block_to_checkpoint_is_told(one_process_group, caplog):
+    """The section asked for checkpoints; a model with no ModuleList has no unit to checkpoint."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine = zeroshard.initialize(model, sgd, {"activation_checkpointing": {}})
+    assert "the model has no blocks to checkpoint" in caplog.text
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    assert engine.memory_stats()["checkpointed_activations"] == 0

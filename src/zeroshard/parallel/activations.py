@@ -252,7 +252,11 @@ _warned_about_cache = False
 def checkpoint_units(units: list, cfg: ActivationConfig, comm: Comm) -> CheckpointStore:
     """Checkpoint every unit but the root (the blocks), all keeping their inputs in one store."""
     store = CheckpointStore(cfg, comm)
-    for unit in units:
-        if not unit.is_root:
-            checkpoint_module(unit.module, store)
+    blocks = [unit.module for unit in units if not unit.is_root]
+    for block in blocks:
+        checkpoint_module(block, store)
+    if not blocks:  # asked for, and silently nothing: say so
+        logger.warning("activation_checkpointing: the model has no blocks to checkpoint, so nothing is "
+                       "recomputed (blocks are the entries of its nn.ModuleLists, or the classes named "
+                       "in zeroshard.unit_modules)")
     return store
