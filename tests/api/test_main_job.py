@@ -135,6 +135,22 @@ def test_an_out_that_cannot_be_written_is_refused_before_training(tmp_path):
         done.stderr
 
 
+def test_a_second_run_into_a_busy_out_is_refused_and_touches_nothing(tmp_path):
+    import fcntl
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step10")  # the running one's
+    with open(out / ".zeroshard.lock", "w") as held:  # as the running `zeroshard train` holds it
+        held.write("pid 123")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = zeroshard_here("train", "--device", "cpu", "--size", "tiny", "--steps", "2", "--out", str(out))
+    assert done.returncode == 2 and f"--out {out} is in use by another zeroshard train (pid 123)" \
+        in done.stderr, done.stderr
+    assert os.listdir(out / "checkpoints") == ["latest"] and sorted(os.listdir(out)) == [
+        ".zeroshard.lock", "checkpoints"]  # nothing moved aside
+
+
 def test_lr_beside_a_scheduler_is_refused(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}))

@@ -9,7 +9,7 @@ import os
 import sys
 
 from .sizes import SIZES, heads_for
-from .options import DEFAULT_RUN, check_nvme_path, check_steps_beyond_checkpoint, default_run, \
+from .options import DEFAULT_RUN, check_nvme_path, check_steps_beyond_checkpoint, default_run, hold_out, \
     defaults_from_config, ranks_report_errors, resolve_device, resume_settings
 
 
@@ -308,14 +308,15 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             check_heads(build_model(train_args), train_args.tp)
     except (OSError, ValueError, RuntimeError) as e:
         parser.error(str(e))
-    if args.command == "train":
-        check_steps_beyond_checkpoint(parser, train_args, accumulation)
-    with ranks_report_errors(parser):
-        if args.command == "train":
-            launch(train_args)
-        else:
-            from .compare import compare
+    if args.command == "compare":
+        from .compare import compare
+        with ranks_report_errors(parser):
             compare(train_args, args.stages, args.rounds)
+        return
+    with hold_out(parser, train_args.out):
+        check_steps_beyond_checkpoint(parser, train_args, accumulation)
+        with ranks_report_errors(parser):
+            launch(train_args)
 
 
 class _Version(argparse.Action):

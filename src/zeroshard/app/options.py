@@ -131,6 +131,34 @@ def _flag(name: str, value) -> str:
     return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
+@contextmanager
+def hold_out(parser: argparse.ArgumentParser, out: str) -> Iterator[None]:
+    """One `zeroshard train` writes to an --out at a time: a second one would move the first's
+    checkpoints aside or save its own steps over them. An exclusive lock on OUT/.zeroshard.lock,
+    held while the block runs (the run), refuses the second by name, before it touches anything."""
+    try:
+        import fcntl
+        os.makedirs(out, exist_ok=True)
+        lock = open(os.path.join(out, ".zeroshard.lock"), "a+")
+    except (ImportError, OSError):  # not POSIX, or --out unwritable (_check_writable names that)
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            holder = lock.read().strip() or "running"
+            parser.error(f"--out {out} is in use by another zeroshard train ({holder}): it would move that "
+                         f"run's checkpoints aside or save over them; give another --out, or wait for "
+                         f"that run to end")
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        yield  # (the lock goes with the file's closing)
+
+
 def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
     """--out is created (as the run would) and written to now, not found unwritable when the run
     ends and its checkpoint cannot be saved."""
