@@ -151,6 +151,27 @@ def test_a_second_run_into_a_busy_out_is_refused_and_touches_nothing(tmp_path):
         ".zeroshard.lock", "checkpoints"]  # nothing moved aside
 
 
+def test_a_stopped_run_says_how_it_continues(tmp_path):
+    """SIGTERM (a scheduler's stop; Ctrl-C alike): one line with the last checkpoint and the command,
+    not the launcher's traceback."""
+    import signal
+    import time
+    out = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "zeroshard", "train", "--device", "cpu", "--size", "tiny",
+                            "--seq-len", "16", "--steps", "100000", "--save-every", "5", "--out", str(out)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline and \
+            run.poll() is None:
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "zeroshard: stopped by SIGTERM: its last checkpoint is step" in err and \
+        f"continue with `zeroshard train --resume --out {out} --steps 100000`" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_lr_beside_a_scheduler_is_refused(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}))

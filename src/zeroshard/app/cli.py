@@ -315,7 +315,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         return
     with hold_out(parser, train_args.out):
         check_steps_beyond_checkpoint(parser, train_args, accumulation)
-        with ranks_report_errors(parser):
+        with ranks_report_errors(parser, train_args.out, train_args.steps):
             launch(train_args)
 
 

@@ -315,10 +315,13 @@ def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 @contextmanager
-def ranks_report_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
+def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
+                        steps: int | None = None) -> Iterator[None]:
     """A rank that fails on bad input (a checkpoint of another model, say) ends the command with
-    that error's one line, as a flag error does, instead of the launcher's traceback of every rank.
-    Any other failure is raised with its traceback."""
+    that error's one line, as a flag error does, instead of the launcher's traceback of every rank;
+    so does a stop by Ctrl-C or SIGTERM, saying how the run in `out` continues to `steps`. Any other failure
+    is raised with its traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     # Their tracebacks of the failed ranks are in the ChildFailedError re-raised below.
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing",
@@ -335,6 +338,21 @@ def ranks_report_errors(parser: argparse.ArgumentParser) -> Iterator[None]:
         if not known:
             raise
         parser.exit(1, f"zeroshard: error: {known[0]}\n")
+    except (SignalException, KeyboardInterrupt) as stop:
+        signal = getattr(stop, "sigval", None)
+        parser.exit(128 + (signal or 2), f"zeroshard: stopped by {signal.name if signal else 'SIGINT'}"
+                                         f"{_resume_hint(out, steps)}\n")
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
+
+
+def _resume_hint(out: str | None, steps: int | None) -> str:
+    """Where a stopped run's checkpoints are and the command that continues it ('' with none)."""
+    from .restart import LATEST, checkpoints_of
+    if out is None or not os.path.isfile(latest := os.path.join(checkpoints_of(out), LATEST)):
+        return ""
+    with open(latest) as f:
+        tag = f.read().strip()
+    return f": its last checkpoint is {tag}; continue with `zeroshard train --resume --out {out} " \
+           f"--steps {steps}`"
