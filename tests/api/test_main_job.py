@@ -172,6 +172,16 @@ def test_a_stopped_run_says_how_it_continues(tmp_path):
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_the_report_counts_skipped_steps(tmp_path):
+    """fp16 whose every step overflows (a scale of 2^32) says so at the end, not only step by step."""
+    config = tmp_path / "fp16.json"
+    config.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 32},
+                                  "zero_optimization": {"stage": 2}}))
+    out = zeroshard("train", "--steps", "3", "--size", "tiny", "--seq-len", "16", "--config", str(config),
+                    "--out", str(tmp_path / "run")).stdout
+    assert "; 3 of the run's optimizer steps skipped (gradient overflow)" in out, out
+
+
 def test_lr_beside_a_scheduler_is_refused(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}))
