@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import multiprocessing as mp
 import os
 import subprocess
@@ -98,6 +99,16 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
             continue
+        if fault.startswith("eval_uneven") and step == 2:  # rank 0 has one more evaluation batch
+            with torch.no_grad():
+                for _ in range(3 if rank == 0 else 2):
+                    engine(x)
+            if fault == "eval_uneven_barrier":
+                dist.barrier()  # a torch call: the stalled rank 0 finds no mark of rank 1's
+            else:
+                zeroshard.mean_over_ranks(torch.ones(()))
+        if fault.startswith("write_") and step == 2 and (rank == 0 or fault == "write_everywhere"):
+            engine.module.load_state_dict(engine.module.state_dict())  # DDP's habit: rank 0 loads
         skip = 1 if fault.startswith("skip_unit") and faulty else None
         if fault == "aux_alone":  # every rank runs the auxiliary head; its loss counts on rank 0 only
             out, aux = engine(x)
@@ -139,6 +150,15 @@ def _llama() -> nn.Module:
         num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=36, pad_token_id=36))
 
 
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
 def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: str, timeout: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -149,6 +169,8 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
     model = AuxStack() if fault == "aux_alone" else Blocks() if fault == "skip_unit_blocks" else \
         _llama() if fault == "generate_alone" else Stack()
     engine = zeroshard.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config)
+    warned: list[str] = []
+    logging.getLogger("zeroshard").addHandler(_Collect(warned))
     start = time.monotonic()
     result = {"error": None, "message": "", "seconds": 0.0}
     try:
@@ -156,6 +178,7 @@ def _worker(rank: int, world_size: int, port: int, stage: int, fault: str, out: 
         result["store"] = engine.comm_stats()["store"]
     except Exception as e:  # noqa: BLE001 - reported to the test, which judges the type
         result = {"error": type(e).__name__, "message": str(e) or traceback.format_exc()}
+    result["warnings"] = warned
     result["seconds"] = time.monotonic() - start
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -260,6 +283,35 @@ def test_a_collective_call_on_rank_0_alone_is_named_not_aborted(tmp_path, fault:
         assert f"Likely cause: {call} called on some ranks only" in result["message"], result
     if fault == "gathered_alone":  # below stage 3 a read issues no collective: rank 0 may, alone
         assert all(r["error"] is None for r in _drill(2, fault, str(tmp_path))), "stage 2"
+
+
+def test_an_evaluation_forward_on_some_ranks_is_named(tmp_path) -> None:
+    """Uneven evaluation batches at stage 3: rank 0's extra forward gathers while rank 1 has gone on.
+    Into a zeroshard collective (mean_over_ranks): named in seconds, as a forward on some ranks
+    only. Into a torch call (dist.barrier) that marks nothing: rank 0 warns at 10 s of what is
+    likely, and its error at the timeout says where the silent rank may be."""
+    for rank, result in enumerate(_drill(3, "eval_uneven", str(tmp_path), timeout=PATIENT)):
+        assert result["error"] == "DivergenceError" and result["seconds"] < PATIENT / 2, (rank, result)
+        assert "Likely cause: a forward run on some ranks only" in result["message"], result
+    first = _drill(3, "eval_uneven_barrier", str(tmp_path), timeout=12.0)[0]
+    assert first["error"] == "DivergenceError", first
+    assert any("for a peer that is in no zeroshard call: a torch.distributed call" in w
+               for w in first["warnings"]), first
+    assert "Ranks [1] did not answer" in first["message"] and "dist.barrier()" in first["message"], first
+
+
+def test_parameters_written_on_rank_0_alone_are_named(tmp_path) -> None:
+    """Below stage 3 the parameters are the full values on every rank: a load_state_dict() (or any
+    in-place write) on rank 0 alone would leave the ranks training different models (stage 0) or a
+    mix of shards (1-2), silently. step() after a write meets the other ranks at a gate: named in
+    seconds; the same write on every rank trains on."""
+    for stage in (0, 1):
+        results = _drill(stage, "write_alone", str(tmp_path), timeout=PATIENT)
+        for rank, result in enumerate(results):
+            assert result["error"] == "DivergenceError", (stage, result)
+            assert result["seconds"] < PATIENT / 2, f"rank {rank} waited for the timeout: {result}"
+            assert "Likely cause: parameters written in place on some ranks only" in result["message"], result
+    assert all(r["error"] is None for r in _drill(1, "write_everywhere", str(tmp_path))), "every rank"
 
 
 @pytest.mark.parametrize("fault,where", [("export_at_end", "full_state_dict() is collective"),

@@ -50,7 +50,9 @@ _HOW = {"full_state_dict()": " (full_state_dict(rank0_only=True) keeps the weigh
 def explain(histories: dict[int, tuple[list[Fingerprint], Clock]], world_size: int) -> str:
     """The first collective call at which the ranks' histories differ, and the likely cause."""
     silent = sorted(set(range(world_size)) - set(histories))
-    note = f" Ranks {silent} did not answer (exited, killed, or stuck outside zeroshard)." if silent else ""
+    note = (f" Ranks {silent} did not answer (exited, killed, or stuck outside zeroshard: in a torch."
+            f"distributed call such as dist.barrier() while this rank ran a forward or an evaluation "
+            f"alone)." if silent else "")
     by_seq = {r: {fp.seq: fp for fp in recent} for r, (recent, _) in histories.items()}
     start = max((min(s) for s in by_seq.values() if s), default=0)
     end = max((max(s) + 1 for s in by_seq.values() if s), default=0)
@@ -68,12 +70,22 @@ def explain(histories: dict[int, tuple[list[Fingerprint], Clock]], world_size: i
     return f"the answering ranks issued the same collectives; their clocks: {clocks}.{note}"
 
 
+# The gate step() passes on a rank that wrote parameters in place since the engine's last write: every
+# rank makes the same write (each loads the same state_dict), or the ranks would train different models.
+WRITE_GATE = "step() after an in-place write to the parameters"
+
+
 def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock]) -> str:
     """A guess from where each rank stood at the first difference (phase, API calls made so far)."""
     seen = {r: fp or clocks[r] for r, fp in calls.items()}
     tally = "; ".join(f"rank {r} in {c.phase}, after {c.backwards} backward() and {c.micro} step() calls"
                       for r, c in sorted(clocks.items()))
     entered = sorted({fp.label for fp in calls.values() if fp is not None and fp.kind == "gate"})
+    if WRITE_GATE in entered:
+        return ("Likely cause: parameters written in place on some ranks only (engine.module.load_state_dict"
+                "(), p.copy_() or nn.init under `if rank == 0:`): the ranks would train different models. "
+                "Make the write on every rank, or inside `with engine.gathered_parameters(modifier_rank=0):` "
+                "(that rank's values go to every rank), or before zeroshard.initialize().")
     if entered:
         return (f"Likely cause: {' and '.join(entered)} called on some ranks only ({tally}). It is "
                 f"collective: call it on every rank, and put under `if rank == 0:` only what uses its "
@@ -86,11 +98,16 @@ def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock
                 f"evaluation, a generate()) run on some ranks only.")
     if len({s.backwards for s in seen.values()}) > 1 or len({s.micro for s in seen.values()}) > 1:
         return f"Likely cause: a different number of backward() or step() calls ({tally})."
+    kinds = {fp.kind for fp in calls.values() if fp is not None}
+    if "all_gather" in kinds and len(kinds) > 1 and all(s.phase == "forward" for s in seen.values()):
+        return ("Likely cause: a forward run on some ranks only (an evaluation on rank 0 alone, or ranks "
+                "given different numbers of evaluation batches) while the others went on: at stage 3 "
+                "every forward gathers, so every rank must run as many. Give every rank the same number "
+                "of batches, or run a rank-0-only forward inside `with engine.gathered_parameters():`.")
     if len({fp.label for fp in calls.values() if fp is not None}) > 1:
         return ("Likely cause: a unit run on some ranks only (a data-dependent branch in forward that skips "
                 "or repeats a block). At stage 3 every rank must run the same units; keep the branch "
                 "identical on all ranks or move it outside the sharded units.")
-    kinds = {fp.kind for fp in calls.values() if fp is not None}
     if "all_gather" in kinds and len(kinds) > 1 and all(s.phase == "backward" for s in seen.values()):
         return ("Likely cause: a unit whose output reaches the loss on some ranks only (an auxiliary head, "
                 "a loss term added when the batch has its labels): at stage 3 a unit is gathered for "

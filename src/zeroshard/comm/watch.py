@@ -78,7 +78,7 @@ class Watch:
         self.clock = Clock()
         self.recent: deque[Fingerprint] = deque(maxlen=_KEEP)
         self.count, self.digest, self.checks, self.gates = 0, 0, 0, 0
-        self.gate_warned = False
+        self.gate_warned = self.wait_warned = False
         self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
         self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -130,6 +130,15 @@ class Watch:
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
                                     f"rank's") from None
+            if deadline - time.monotonic() <= self.timeout - _WARN_S and not self.wait_warned:
+                self.wait_warned = True  # no peer's zeroshard call differs: one is elsewhere
+                last = self.recent[-1] if self.recent else None
+                logger.warning("rank %d has waited %.0f s in %s for a peer that is in no zeroshard call: "
+                               "a torch.distributed call (dist.barrier(), all_reduce) on some ranks while "
+                               "this one runs a forward or an evaluation alone? If so, this ends at "
+                               "zeroshard.collective_timeout (%g s)", self.rank, _WARN_S,
+                               f"{last.kind}({last.label}) in {last.phase}" if last else "a collective",
+                               self.timeout)
 
     def _differing_peer(self) -> int | None:
         """Publish this stalled rank's mark (count, digest); the first peer whose published mark

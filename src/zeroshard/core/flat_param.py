@@ -103,9 +103,9 @@ class FlatParam(FlatGrad):
         if trainable:
             self._init_trainable(owned)  # before reshard(): `owned` may share storage with `full`
         # an in-place write where training keeps the values apart would be lost (placeholders.py)
+        apart = self.owned_values().untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
         self.writes = InPlaceWrites(self.params, self.layout.slots, self.persistent and self.trainable and
-                                    self.owned_values().untyped_storage().data_ptr() !=
-                                    self.full.untyped_storage().data_ptr())
+                                    apart, self.persistent)
         if not self.persistent:
             self.reshard()
 

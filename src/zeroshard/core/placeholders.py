@@ -99,28 +99,31 @@ class Placeholders:
 
 
 class InPlaceWrites:
-    """The autograd versions of a kept-gathered buffer's parameters as the engine last wrote them;
-    `watched`: whether training keeps their values apart (else a write simply trains on)."""
+    """The autograd versions of a buffer's parameters as the engine last wrote them. `watched`:
+    training keeps their values apart, so a write would be lost (refused); `kept`: the buffer stays
+    gathered, and a write elsewhere simply trains on, if every rank makes it."""
 
-    def __init__(self, params: list[nn.Parameter], slots: list[Slot], watched: bool) -> None:
-        self.params, self.slots, self.watched = params, slots, watched
+    def __init__(self, params: list[nn.Parameter], slots: list[Slot], watched: bool, kept: bool) -> None:
+        self.params, self.slots, self.watched, self.kept = params, slots, watched, kept
         self.note()
 
     def note(self) -> None:
         """Take the versions as they are now: after one of the engine's own writes."""
         self.versions = [p._version for p in self.params]
 
-    def refuse(self) -> None:
-        """Raise, naming them, if parameters were written in place since; refused once (noted again)."""
-        if not self.watched:
-            return
+    def refuse(self) -> bool:
+        """Raise, naming them, if parameters were written in place since where the write would be
+        lost; True if one was written where it trains on. Either is told once (noted again)."""
         written = [slot.names[0] for p, slot, v in zip(self.params, self.slots, self.versions)
                    if p._version != v]
-        if written:
-            self.note()
+        if not written:
+            return False
+        self.note()
+        if self.watched:
             raise RuntimeError(
                 f"{', '.join(written[:3])} changed in place after zeroshard.initialize() (p.copy_(), "
                 f"p.fill_(), nn.init on the engine's model): training keeps these values elsewhere (the "
                 f"fp32 master, a host copy or a shard), so the next step would write over the change. "
                 f"Change weights inside `with engine.gathered_parameters(modifier_rank=0):` (rank 0's "
                 f"values go to every rank and into the masters), or before initialize()")
+        return self.kept

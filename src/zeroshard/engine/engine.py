@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import Comm
+from ..comm.diagnosis import WRITE_GATE
 from ..comm.devices import check_placement, group_device, move_buffers
 from ..comm.topology import check_mics, read_topology
 from ..comm.watch import Watch
@@ -289,9 +290,13 @@ class Engine(EngineState, EngineCompat):
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
         the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
+        written = False
         for flat in self.flats:  # before anything changes: a refused step can be retried
             flat.refuse_replaced()
-            flat.writes.refuse()
+            written |= flat.writes.refuse()
+        if written:  # made on every rank (each loads the same state_dict), it trains on; on some only,
+            # the ranks would train different models (or a mix of shards): named by the gate.
+            self.comm.watch.gate(WRITE_GATE)
         if self.is_gradient_accumulation_boundary() and not self.reducer.saw_backward:  # torch: no update
             raise RuntimeError("step() with no backward since the last update would apply weight decay "
                                "and momentum to zero gradients: call engine.backward(loss) before step()")
