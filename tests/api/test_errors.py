@@ -77,6 +77,25 @@ def test_parameter_groups():
                                                           {"params": [twice.weight, twice.bias]}])
     with pytest.raises(ValueError, match="not a parameter of the model"):
         zeroshard.initialize(nn.Linear(4, 4), _adam, param_groups=[{"params": [torch.zeros(2)]}])
+    # torch's other form, the parameters themselves (DeepSpeed's model_parameters=model.parameters()):
+    # one group of the trainable ones. Anything else is named with the forms it takes.
+    partly = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    partly[0].bias.requires_grad_(False)
+    engine = zeroshard.initialize(partly, _adam, model_parameters=partly.parameters())
+    assert len(engine.optimizer.param_groups) == 1 and engine.num_parameters(trainable_only=True) == 21
+    with pytest.raises(TypeError, match="param_groups takes torch's forms"):
+        zeroshard.initialize(nn.Linear(4, 4), _adam, param_groups=["weight"])
+
+
+def test_deepspeed_initialize_habits_are_answered():
+    with pytest.raises(TypeError, match="'training_data' \\(deepspeed.initialize's; here: build your own"):
+        zeroshard.initialize(nn.Linear(4, 4), _adam, training_data=[1, 2])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'$"):
+        zeroshard.initialize(nn.Linear(4, 4), _adam, bogus=1)
+    with pytest.raises(TypeError, match="returns the engine alone, not DeepSpeed's"):
+        engine, optimizer, _, scheduler = zeroshard.initialize(nn.Linear(4, 4), _adam)
+    with pytest.raises(AttributeError, match="train_batch': DeepSpeed's pipeline engine's call"):
+        zeroshard.initialize(nn.Linear(4, 4), _adam).train_batch()
 
 
 def test_unit_modules_must_exist():

@@ -56,6 +56,15 @@ def resolve_groups(model: nn.Module, param_groups: list[dict] | None) -> tuple[l
     trainable = [p for p in model.parameters() if p.requires_grad]
     if param_groups is None:
         return [{}], {id(p): 0 for p in trainable}
+    param_groups = list(param_groups)
+    if param_groups and all(isinstance(g, torch.Tensor) for g in param_groups):
+        # torch's other form, DeepSpeed's model_parameters=model.parameters(): one group, of the
+        # trainable ones (a frozen one would get no gradient from torch's optimizer either)
+        param_groups = [{"params": [p for p in param_groups if p.requires_grad]}]
+    if not all(isinstance(g, dict) for g in param_groups):
+        raise TypeError("param_groups takes torch's forms: a list of dicts, each with its 'params' (e.g. "
+                        "[{'params': decay}, {'params': no_decay, 'weight_decay': 0.0}]), or the parameters "
+                        "themselves")
     options, group_of = [], {}
     for index, group in enumerate(param_groups):
         group = dict(group)

@@ -28,6 +28,9 @@ _INSTEAD = {
                         "`with engine.gathered_parameters() as model:` fills them)",
     "to": "initialize() placed the model on the process group's device; choose the device there",
     "cuda": "initialize() placed the model on the process group's device; choose the device there",
+    "train_batch": "DeepSpeed's pipeline engine's call; here a step is engine.backward(loss_fn(engine(x), "
+                   "y)); engine.step()",
+    "eval_batch": "DeepSpeed's pipeline engine's call; here: with torch.no_grad(): engine(x)",
 }
 
 
@@ -177,6 +180,14 @@ class EngineCompat:
             raise RuntimeError("engine.zero_grad() after backward() and before step(): ZeRO has already "
                                "reduced these gradients across ranks. step() clears them; to skip a batch, "
                                "do not call backward() for it")
+
+    def __iter__(self) -> Any:
+        """`engine, optimizer, _, scheduler = initialize(...)`, DeepSpeed's habit: named, not a bare
+        'cannot unpack'."""
+        raise TypeError("zeroshard.initialize() returns the engine alone, not DeepSpeed's (engine, "
+                        "optimizer, dataloader, lr_scheduler): engine = zeroshard.initialize(...); the "
+                        "optimizer is engine.optimizer, the scheduler engine.lr_scheduler, the data "
+                        "loader yours")
 
     def __getattr__(self, name: str) -> Any:
         prop = getattr(type(self), name, None)

@@ -15,10 +15,22 @@ from ..parallel import mics_mesh, split as split_mesh
 from .engine import Engine
 
 
+# deepspeed.initialize()'s arguments that have no counterpart here, and what to do instead.
+_DEEPSPEED_ONLY = {
+    "args": "give the config itself: config= a dict or a JSON file's path",
+    "config_params": "give it as config=",
+    "training_data": "build your own DataLoader (each rank its own slice: DistributedSampler)",
+    "collate_fn": "build your own DataLoader (each rank its own slice: DistributedSampler)",
+    "mpu": "give a (\"dp\", \"tp\") DeviceMesh as mesh=",
+    "dist_init_required": "a process group is started from torchrun's variables where there is none",
+}
+
+
 def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
                config: "Config | dict | str | os.PathLike | None" = None,
                process_group: dist.ProcessGroup | None = None,
-               param_groups: list[dict] | None = None, lr_scheduler=None, mesh=None) -> Engine:
+               param_groups: list[dict] | None = None, lr_scheduler=None, mesh=None, *,
+               model_parameters=None, **deepspeed_only) -> Engine:
     """Wrap `model` for ZeRO data parallelism over `process_group` (default: the world), or over
     mesh["dp"] of a DeviceMesh named ("dp", "tp") whose "tp" dimension the model was already split
     over (zeroshard.tensor_parallel or torch's parallelize_module); a 1-D mesh is data parallelism.
@@ -31,7 +43,18 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
     lr_scheduler: optional scheduler, or callable optimizer -> scheduler, stepped by the engine
     after each optimizer step that was not skipped, and saved in checkpoints.
     Without a process group, one is started from torchrun's variables, or as a single process.
+    model_parameters: DeepSpeed's name for param_groups. Returns the engine alone (not DeepSpeed's
+    4-tuple: the optimizer is engine.optimizer, the scheduler engine.lr_scheduler).
     """
+    for name in deepspeed_only:
+        hint = _DEEPSPEED_ONLY.get(name)
+        raise TypeError(f"initialize() got an unexpected keyword argument '{name}'"
+                        + (f" (deepspeed.initialize's; here: {hint})" if hint else ""))
+    if model_parameters is not None:
+        if param_groups is not None:
+            raise TypeError("initialize(): give param_groups or model_parameters (DeepSpeed's name for "
+                            "it), not both")
+        param_groups = model_parameters
     cfg = Config.load(config)
     shard_size = cfg.zero.mics_shard_size
     if shard_size > 0 and (mesh is not None or process_group is not None):
