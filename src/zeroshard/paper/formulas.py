@@ -12,7 +12,8 @@ BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}  #
 
 def paper_model_state_bytes(psi: float, world_size: int, stage: int, param_bytes: float = 2,
                             grad_bytes: float = 2, optimizer_bytes: float = 12) -> float:
-    """Per-rank model-state bytes from the ZeRO paper's formulas (Figure 1, Table 1)."""
+    """Per-rank model-state bytes from the ZeRO paper's formulas (Figure 1, Table 1). The defaults are
+    the paper's mixed-precision Adam (2 + 2 + K=12 bytes per parameter); fp32 Adam is 4, 4, 8."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     n = world_size
