@@ -167,8 +167,8 @@ def test_a_stopped_run_says_how_it_continues(tmp_path):
     run.send_signal(signal.SIGTERM)
     _, err = run.communicate(timeout=300)
     assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "zeroshard: stopped by SIGTERM: its last checkpoint is step" in err and \
-        f"continue with `zeroshard train --resume --out {out} --steps 100000`" in err, err[-3000:]
+    assert "zeroshard: stopped by SIGTERM: its last checkpoint is step" in err, err[-3000:]
+    assert f"continue with `zeroshard train --resume --out {out} --steps 100000 --save-every 5`" in err, err
     assert "Traceback" not in err, err[-3000:]
 
 
@@ -179,7 +179,7 @@ def test_the_report_counts_skipped_steps(tmp_path):
                                   "zero_optimization": {"stage": 2}}))
     out = zeroshard("train", "--steps", "3", "--size", "tiny", "--seq-len", "16", "--config", str(config),
                     "--out", str(tmp_path / "run")).stdout
-    assert "; 3 of the run's optimizer steps skipped (gradient overflow)" in out, out
+    assert "; 3 optimizer steps skipped (fp16 overflow or non-finite gradients)" in out, out
 
 
 def test_lr_beside_a_scheduler_is_refused(tmp_path):

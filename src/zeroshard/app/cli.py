@@ -46,8 +46,9 @@ def _add_training_options(p: argparse.ArgumentParser, steps: int, gpu_run: bool)
                                     "optimizer, scheduler, clipping and accumulation are used; a flag "
                                     "given on the command line overrides the config")
     p.add_argument("--out", default="out", help="output directory (default ./out)")
-    p.add_argument("--seed", type=int, help="seed of the model's initial values, the batches and the "
-                                            "sample (default 0; --resume: the run's)")
+    own = "; --resume: the run's" if gpu_run else ""  # (compare does not resume)
+    p.add_argument("--seed", type=int, help=f"seed of the model's initial values, the batches and the "
+                                            f"sample (default 0{own})")
 
 
 def _add_offload_options(p: argparse.ArgumentParser) -> None:
@@ -270,6 +271,16 @@ def _say_heads(run) -> None:
                   f"{own} do not divide it)")
 
 
+def _continue_line(run) -> str:
+    """The command that resumes `run` as it was going (--resume takes its model and settings, not
+    these)."""
+    import shlex
+    line = f"zeroshard train --resume --out {shlex.quote(run.out)} --steps {run.steps}"
+    for flag, value in (("--save-every", run.save_every), ("--max-restarts", run.max_restarts)):
+        line += f" {flag} {value}" if value else ""
+    return line
+
+
 def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _check_positive(parser, args, ["nproc", "steps", "batch_size", "seq_len", "layers", "width", "rounds"])
     if len(set(getattr(args, "stages", []))) < len(getattr(args, "stages", [])):
@@ -315,7 +326,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         return
     with hold_out(parser, train_args.out):
         check_steps_beyond_checkpoint(parser, train_args, accumulation)
-        with ranks_report_errors(parser, train_args.out, train_args.steps):
+        with ranks_report_errors(parser, train_args.out, _continue_line(train_args)):
             launch(train_args)
 
 

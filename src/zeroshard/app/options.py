@@ -135,28 +135,42 @@ def _flag(name: str, value) -> str:
 def hold_out(parser: argparse.ArgumentParser, out: str) -> Iterator[None]:
     """One `zeroshard train` writes to an --out at a time: a second one would move the first's
     checkpoints aside or save its own steps over them. An exclusive lock on OUT/.zeroshard.lock,
-    held while the block runs (the run), refuses the second by name, before it touches anything."""
-    try:
-        import fcntl
-        os.makedirs(out, exist_ok=True)
-        lock = open(os.path.join(out, ".zeroshard.lock"), "a+")
-    except (ImportError, OSError):  # not POSIX, or --out unwritable (_check_writable names that)
+    held while the block runs (the run), refuses the second by name, before it touches anything.
+    Where there is no lock to take (not POSIX, an unwritable --out that _check_writable names, a
+    filesystem without flock), the run goes on without one."""
+    lock = _lock_file(out)
+    if lock is None:
         yield
         return
     with lock:
+        import fcntl
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            held = True
+        except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "running"
             parser.error(f"--out {out} is in use by another zeroshard train ({holder}): it would move that "
                          f"run's checkpoints aside or save over them; give another --out, or wait for "
                          f"that run to end")
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()}")
-        lock.flush()
+        except OSError as e:  # (Lustre without flock, NFS without lockd)
+            held = False
+            print(f"--out {out}: no lock ({e.strerror or e}), so a second run into it would not be refused")
+        if held:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}")
+            lock.flush()
         yield  # (the lock goes with the file's closing)
+
+
+def _lock_file(out: str):
+    try:
+        import fcntl  # noqa: F401 - POSIX only
+        os.makedirs(out, exist_ok=True)
+        return open(os.path.join(out, ".zeroshard.lock"), "a+")
+    except (ImportError, OSError):
+        return None
 
 
 def _check_writable(parser: argparse.ArgumentParser, out: str) -> None:
@@ -316,10 +330,11 @@ def resolve_device(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 @contextmanager
 def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
-                        steps: int | None = None) -> Iterator[None]:
+                        again: str = "") -> Iterator[None]:
     """A rank that fails on bad input (a checkpoint of another model, say) ends the command with
     that error's one line, as a flag error does, instead of the launcher's traceback of every rank;
-    so does a stop by Ctrl-C or SIGTERM, saying how the run in `out` continues to `steps`. Any other failure
+    so does a stop by Ctrl-C or SIGTERM, naming the run's last checkpoint in `out` and the command
+    that continues it (`again`). Any other failure
     is raised with its traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -339,20 +354,19 @@ def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
             raise
         parser.exit(1, f"zeroshard: error: {known[0]}\n")
     except (SignalException, KeyboardInterrupt) as stop:
-        signal = getattr(stop, "sigval", None)
-        parser.exit(128 + (signal or 2), f"zeroshard: stopped by {signal.name if signal else 'SIGINT'}"
-                                         f"{_resume_hint(out, steps)}\n")
+        sigval = getattr(stop, "sigval", None)
+        parser.exit(128 + (sigval or 2), f"zeroshard: stopped by {sigval.name if sigval else 'SIGINT'}"
+                                         f"{_resume_hint(out, again)}\n")
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
 
 
-def _resume_hint(out: str | None, steps: int | None) -> str:
+def _resume_hint(out: str | None, again: str) -> str:
     """Where a stopped run's checkpoints are and the command that continues it ('' with none)."""
     from .restart import LATEST, checkpoints_of
     if out is None or not os.path.isfile(latest := os.path.join(checkpoints_of(out), LATEST)):
         return ""
     with open(latest) as f:
         tag = f.read().strip()
-    return f": its last checkpoint is {tag}; continue with `zeroshard train --resume --out {out} " \
-           f"--steps {steps}`"
+    return f": its last checkpoint is {tag}; continue with `{again}`"

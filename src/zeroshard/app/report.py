@@ -225,7 +225,7 @@ def print_report(engine, args: Any, per_rank: list[dict[str, int]], history: lis
     _print_traffic(engine, args, psi, world)
     first = f"{history[0]:.4f} at step 1 -> " if history else ""
     skipped = getattr(engine, "skipped_steps", 0)  # (fp16 overflows, skipped non-finite steps)
-    skips = f"; {skipped} of the run's optimizer steps skipped (gradient overflow)" if skipped else ""
+    skips = f"; {skipped} optimizer steps skipped (fp16 overflow or non-finite gradients)" if skipped else ""
     print(f"loss: train {first}{history[-1]:.4f} at step {len(history)}, validation {val:.4f}; "
           f"{seconds:.1f} s in training steps this run{skips}")
     plot = os.path.join(args.out, "loss.png")

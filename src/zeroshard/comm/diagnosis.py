@@ -85,7 +85,9 @@ def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock
         return ("Likely cause: parameters written in place on some ranks only (engine.module.load_state_dict"
                 "(), p.copy_() or nn.init under `if rank == 0:`): the ranks would train different models. "
                 "Make the write on every rank, or inside `with engine.gathered_parameters(modifier_rank=0):` "
-                "(that rank's values go to every rank), or before zeroshard.initialize().")
+                "(that rank's values go to every rank), or before zeroshard.initialize(); a change on one "
+                "rank for a while (an EMA swap to evaluate) belongs inside `with engine.gathered_"
+                "parameters():`, which undoes it.")
     if entered:
         return (f"Likely cause: {' and '.join(entered)} called on some ranks only ({tally}). It is "
                 f"collective: call it on every rank, and put under `if rank == 0:` only what uses its "
@@ -103,7 +105,8 @@ def likely_cause(calls: dict[int, "Fingerprint | None"], clocks: dict[int, Clock
         return ("Likely cause: a forward run on some ranks only (an evaluation on rank 0 alone, or ranks "
                 "given different numbers of evaluation batches) while the others went on: at stage 3 "
                 "every forward gathers, so every rank must run as many. Give every rank the same number "
-                "of batches, or run a rank-0-only forward inside `with engine.gathered_parameters():`.")
+                "of batches, or enter `with engine.gathered_parameters():` on every rank and run the "
+                "forward on rank 0 alone inside it.")
     if len({fp.label for fp in calls.values() if fp is not None}) > 1:
         return ("Likely cause: a unit run on some ranks only (a data-dependent branch in forward that skips "
                 "or repeats a block). At stage 3 every rank must run the same units; keep the branch "

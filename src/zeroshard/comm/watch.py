@@ -51,7 +51,7 @@ from .peer_store import SLICE_S, default_store, exchange_histories, exited_peers
 logger = logging.getLogger("zeroshard")
 
 _KEEP = 512           # fingerprints kept per rank: enough to reach back past one step of a big model
-_WARN_S = 10.0        # a gate waited this long for a peer: say what is likely wrong (once)
+_WARN_S = 10.0        # a gate (once) or a collective (once a wait) waited this long: say what is likely
 _instances = 0        # engines created in this process, in the same order on every rank
 
 
@@ -78,7 +78,7 @@ class Watch:
         self.clock = Clock()
         self.recent: deque[Fingerprint] = deque(maxlen=_KEEP)
         self.count, self.digest, self.checks, self.gates = 0, 0, 0, 0
-        self.gate_warned = self.wait_warned = False
+        self.gate_warned = False
         self.store_traffic = {"calls": 0, "bytes": 0}  # the checks' and stall marks' store writes and reads
         self.digests: deque[int] = deque([0], maxlen=_KEEP)  # after count - len + 1, ..., count calls
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -113,7 +113,7 @@ class Watch:
             return
         # (gloo's own reduce-scatter ignores the timeout; collectives.py does reduce-scatters on gloo as an
         # all-to-all, which honours it.)
-        deadline = time.monotonic() + self.timeout
+        deadline, warned = time.monotonic() + self.timeout, False
         while True:
             try:
                 work.wait(timeout=timedelta(seconds=min(SLICE_S, self.timeout)))
@@ -130,13 +130,13 @@ class Watch:
             if (peer := self._differing_peer()) is not None:
                 raise self.diagnose(f"stalled in a collective, and rank {peer}'s calls differ from this "
                                     f"rank's") from None
-            if deadline - time.monotonic() <= self.timeout - _WARN_S and not self.wait_warned:
-                self.wait_warned = True  # no peer's zeroshard call differs: one is elsewhere
+            if deadline - time.monotonic() <= self.timeout - _WARN_S and not warned:
+                warned = True  # (once a wait) no peer's zeroshard call differs: a peer is slow, or elsewhere
                 last = self.recent[-1] if self.recent else None
-                logger.warning("rank %d has waited %.0f s in %s for a peer that is in no zeroshard call: "
-                               "a torch.distributed call (dist.barrier(), all_reduce) on some ranks while "
-                               "this one runs a forward or an evaluation alone? If so, this ends at "
-                               "zeroshard.collective_timeout (%g s)", self.rank, _WARN_S,
+                logger.warning("rank %d has waited %.0f s in %s: a peer is slow (loading, evaluating or "
+                               "compiling alone), or in a call the others are not in (a torch.distributed "
+                               "one such as dist.barrier() while this rank runs a forward alone); the "
+                               "latter ends at zeroshard.collective_timeout (%g s)", self.rank, _WARN_S,
                                f"{last.kind}({last.label}) in {last.phase}" if last else "a collective",
                                self.timeout)
 

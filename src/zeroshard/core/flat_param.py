@@ -102,10 +102,9 @@ class FlatParam(FlatGrad):
         self._init_grads()
         if trainable:
             self._init_trainable(owned)  # before reshard(): `owned` may share storage with `full`
-        # an in-place write where training keeps the values apart would be lost (placeholders.py)
         apart = self.owned_values().untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr()
-        self.writes = InPlaceWrites(self.params, self.layout.slots, self.persistent and self.trainable and
-                                    apart, self.persistent)
+        self.writes = InPlaceWrites(self.params, self.layout.slots, watched=self.persistent and apart,
+                                    kept=self.persistent)  # (in-place writes: placeholders.py)
         if not self.persistent:
             self.reshard()
 
@@ -144,6 +143,11 @@ class FlatParam(FlatGrad):
     def _point_params_at_full(self) -> None:
         for p, view, spec in zip(self.params, self._views, self.specs):
             point(p, view, spec)
+
+    def refuse_lost_writes(self) -> None:
+        """None of a gathered buffer that will be freed was written in place (the write goes with it)."""
+        if self.state is ParamState.UNSHARDED and not self.persistent:
+            self._placeholder.refuse_lost(self.params, self.layout.slots)
 
     def refuse_replaced(self) -> None:
         """No parameter was replaced, nor a placeholder written (a replaced one is pointed back)."""
@@ -260,8 +264,7 @@ class FlatParam(FlatGrad):
             return
         complete(self._gathering)  # an all-gather in flight must land before its storage goes
         self.refuse_replaced()  # (their values would be lost unseen) ...
-        if self.state is ParamState.UNSHARDED:  # ... as would a write in place
-            self._placeholder.refuse_lost(self.params, self.layout.slots)
+        self.refuse_lost_writes()  # ... as would a write in place
         pp = self.comm.zeropp
         if keep_secondary and pp is not None and pp.secondary is not None and self.secondary is None:
             a, b = quantized.secondary_range(pp, self.full.numel())

@@ -6,13 +6,17 @@ A read of it fails loudly or reads nothing. A write into it (`p.zero_()`, `nn.in
 and the master, which the write never reaches. So each placeholder's autograd version is noted when
 the parameter is pointed at it, and the next gather refuses a parameter whose version moved, by
 name, with the way to change weights that does reach them. (`p.data.zero_()` bypasses the version
-counter, as it bypasses autograd: that one cannot be seen.)
+counter, as it bypasses autograd: that one cannot be seen.) The versions stand while the buffer is
+gathered, so a stage-3 reshard refuses a write made meanwhile (`refuse_lost`: a module writing its
+own weight in forward), which the freed buffer would take with it.
 
 The same counter watches the parameters of a buffer kept gathered (stages 0-2, stage 3's persistent
 ones) whose values training keeps apart: a 16-bit compute copy of a fp32 master, a copy of an
 offloaded master, or of a stage-3 shard. A write into such a parameter outside
 gathered_parameters() would be written over by the next step; `InPlaceWrites` notes the versions
 after each of the engine's own writes (which bump them too) and the step refuses a moved one.
+Where the parameters are the values trained (fp32 at stages 0-2) a write trains on; the step only
+makes sure every rank made one (engine.step's gate).
 
 Nor does the counter see a parameter's tensor replaced (`p.data = t`, `model.half()` or `.to()` after
 initialize): the parameter then computes with a tensor zeroshard never reads, trained apart from the
@@ -33,7 +37,7 @@ class Placeholders:
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.empty = torch.empty(0, dtype=dtype, device=device)
-        self.versions: list[int] | None = None  # noted when pointed here; None while gathered
+        self.versions: list[int] | None = None  # noted when pointed here, standing while gathered
 
     def point(self, params: list[nn.Parameter], specs: list[TpSpec | None]) -> None:
         for p, spec in zip(params, specs):

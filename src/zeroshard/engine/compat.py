@@ -62,15 +62,20 @@ class EngineCompat:
         if not plain.item():
             return  # no backward at all in this micro-step: nothing to scale
         self._finish_backward()  # the reductions the gradient hooks began, completed on every rank
-        for flat in self.flats:
-            flat.zero_grad()
-        self.reducer.end_step()
-        self.micro_steps -= self.micro_steps % gas
+        self._drop_cycle()
         why = f"divides it by gradient_accumulation_steps ({gas})" if gas > 1 else \
             "multiplies it by the fp16 loss scale"
         raise RuntimeError(f"step() after loss.backward(): engine.backward(loss) {why}, so these gradients "
                            f"were off by that factor. This accumulation cycle's gradients are dropped; run "
                            f"it again with engine.backward(loss) in place of loss.backward()")
+
+    def _drop_cycle(self) -> None:
+        """A refused backward or step: this accumulation cycle's gradients go, so a retry starts the
+        cycle afresh rather than adding to what the refused one left."""
+        for flat in self.flats:
+            flat.zero_grad()
+        self.reducer.end_step()
+        self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
 
     def _print_step(self) -> None:
         """steps_per_print's line: to the `zeroshard` logger where logging shows INFO, else printed
@@ -184,10 +189,10 @@ class EngineCompat:
     def __iter__(self) -> Any:
         """`engine, optimizer, _, scheduler = initialize(...)`, DeepSpeed's habit: named, not a bare
         'cannot unpack'."""
-        raise TypeError("zeroshard.initialize() returns the engine alone, not DeepSpeed's (engine, "
-                        "optimizer, dataloader, lr_scheduler): engine = zeroshard.initialize(...); the "
-                        "optimizer is engine.optimizer, the scheduler engine.lr_scheduler, the data "
-                        "loader yours")
+        raise TypeError("the engine is not iterable (iterate engine.module): zeroshard.initialize() "
+                        "returns the engine alone, not DeepSpeed's (engine, optimizer, dataloader, "
+                        "lr_scheduler); the optimizer is engine.optimizer, the scheduler engine."
+                        "lr_scheduler, the data loader yours")
 
     def __getattr__(self, name: str) -> Any:
         prop = getattr(type(self), name, None)

@@ -263,7 +263,12 @@ class Engine(EngineState, EngineCompat):
             self._set_state(TrainingState.IDLE)
             self.reducer.backward_failed()
             raise
-        self._finish_backward()
+        try:
+            self._finish_backward()
+        except RuntimeError:  # refused after its reductions (a parameter frozen, or written in forward)
+            self._drop_cycle()
+            self._set_state(TrainingState.IDLE)
+            raise
         self._set_state(TrainingState.BACKWARD_DONE)  # decided by API calls, the same on every rank
 
     @contextmanager
@@ -289,10 +294,12 @@ class Engine(EngineState, EngineCompat):
 
     def step(self) -> None:
         """Called every micro-batch; at accumulation boundaries: reduce (stages 0-1), clip, update
-        the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients."""
+        the owned shards (skipped on fp16 overflow), refresh parameters, clear gradients. First, on
+        a rank whose parameters were written in place since, every rank meets at a gate."""
         written = False
         for flat in self.flats:  # before anything changes: a refused step can be retried
             flat.refuse_replaced()
+            flat.refuse_lost_writes()
             written |= flat.writes.refuse()
         if written:  # made on every rank (each loads the same state_dict), it trains on; on some only,
             # the ranks would train different models (or a mix of shards): named by the gate.

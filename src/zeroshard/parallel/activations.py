@@ -12,9 +12,9 @@ buffer allocated once (and grown only if a forward needs more), instead of one a
 interleaved with short-lived tensors (fragmentation).
 
 The checkpoint is reentrant (an autograd.Function whose backward runs a nested forward and
-backward), like torch.utils.checkpoint(use_reentrant=True), but a block whose inputs need no gradient
-still trains (`_anchor`); RNG state is restored for the
-recompute, so dropout draws the same mask, and so is autocast (backward usually runs outside the
+backward), like torch.utils.checkpoint(use_reentrant=True), but a block whose inputs need no
+gradient still trains (`_anchor`); RNG state is restored for the recompute, so dropout draws the
+same mask, and so is autocast (backward usually runs outside the
 forward's `torch.autocast` region: the recompute would otherwise run in another precision). Kept
 chunks are saved with save_for_backward, so torch.autograd.graph.saved_tensors_hooks sees exactly
 what is kept.
@@ -213,7 +213,8 @@ def _anchor(module: nn.Module, inputs: list[torch.Tensor]) -> torch.Tensor | Non
     """A reentrant checkpoint's outputs need a gradient only if one of its inputs does: blocks fed by
     a frozen embedding (a LoRA fine-tune's layout) would never run backward, so never train (torch's
     use_reentrant=True pitfall). Where no input requires grad but the block trains, an empty input
-    that does ties its outputs to the graph."""
+    that does ties its outputs to the graph. (Such a block's inputs, needing no gradient, are kept as
+    they are: not partitioned nor offloaded, as masks and rotary tables are.)"""
     if any(t.requires_grad for t in inputs) or not any(p.requires_grad for p in module.parameters()):
         return None
     return torch.empty(0, requires_grad=True)

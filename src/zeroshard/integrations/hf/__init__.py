@@ -38,7 +38,7 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
         raise ValueError(f"--hf-config: '{file}' has no \"model_type\" (e.g. \"gpt2\", \"llama\")")
     config = _config_of(raw, file)
     config.use_cache = False  # training: no key/value cache in the outputs
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    context = context_of(config)
     if context is not None and context < seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's context ({context}) in '{file}'")
     if getattr(config, "vocab_size", 256) < 256:
@@ -52,6 +52,20 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
             raise
         raise ValueError(f"--hf-config: '{file}' is a {config.model_type}, which has no causal-LM class in "
                          f"transformers (an encoder-decoder): train a decoder-only model") from None
+
+
+def context_of(config) -> int | None:
+    """The longest sequence a transformers config's model takes (None: no such limit)."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def context_of_file(raw: dict, file: str) -> int | None:
+    """context_of() for a config.json's keys, class defaults included, as --hf-config builds it (the
+    keys as they are where transformers is missing or refuses them)."""
+    try:
+        return context_of(_config_of(dict(raw), file))
+    except (ImportError, ValueError):
+        return raw.get("n_positions") or raw.get("max_position_embeddings")
 
 
 def _config_of(raw: dict, file: str):
