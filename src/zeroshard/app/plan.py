@@ -107,7 +107,7 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
             shape = shape_from_hf(config, _model_name(file))
         except (OSError, ValueError) as e:
             parser.error(f"--hf-config {args.hf_config}: {e}")
-        from zeroshard.integrations.hf import context_of_file
+        from zeroshard.hf import context_of_file
         context = context_of_file(config, file)
         if isinstance(context, int) and seq > context:  # (as `zeroshard train` would refuse the plan)
             parser.error(f"--seq-len {seq} exceeds the model's context ({context}) in '{file}'; give "
