@@ -38,8 +38,9 @@ def test_each_schedule_step_by_step(kind, params, expected):
 
 
 def test_the_engine_builds_and_steps_the_section(one_process_group):
+    # (the type in any case, as the optimizer's: a ported config's "warmuplr" means WarmupLR)
     config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}}
+              "scheduler": {"type": "warmuplr", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}}
     engine = zeroshard.initialize(torch.nn.Linear(4, 2), config=config)
     assert isinstance(engine.lr_scheduler, DeepSpeedSchedule)
     rates = []

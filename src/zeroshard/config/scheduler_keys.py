@@ -21,7 +21,8 @@ def scheduler(cfg: Settings, value: Any) -> None:
         if key not in ("type", "params"):
             raise unknown_key(f"scheduler.{key}", ["type", "params"])
     kind = section.get("type")
-    if not isinstance(kind, str) or kind not in SCHEDULES:
+    kind = {k.lower(): k for k in SCHEDULES}.get(kind.lower(), kind) if isinstance(kind, str) else kind
+    if not isinstance(kind, str) or kind not in SCHEDULES:  # (in any case, as optimizer types are)
         raise ConfigError(f"config key 'scheduler.type' is {kind!r}; zeroshard runs DeepSpeed's "
                           f"{', '.join(SCHEDULES)} (for another schedule, pass lr_scheduler= to initialize)")
     accepted, required = SCHEDULES[kind]
