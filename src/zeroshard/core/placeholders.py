@@ -81,7 +81,7 @@ class Placeholders:
         if written:
             self.note(params)  # refused once: the buffer stays gathered, whole, for a retry
             raise RuntimeError(
-                f"{', '.join(written[:3])} changed in place while gathered (in forward, a module writing "
+                f"{_names(written)} changed in place while gathered (in forward, a module writing "
                 f"its own weight: nn.Embedding(max_norm=...) renormalizes the rows it reads; or a hook): "
                 f"stage 3 frees the gathered parameters after use and keeps only this rank's shard, so "
                 f"the change would be lost. Drop the write (for max_norm: renormalize the weight inside "
@@ -125,9 +125,14 @@ class InPlaceWrites:
         self.note()
         if self.watched:
             raise RuntimeError(
-                f"{', '.join(written[:3])} changed in place after zeroshard.initialize() (p.copy_(), "
+                f"{_names(written)} changed in place after zeroshard.initialize() (p.copy_(), "
                 f"p.fill_(), nn.init on the engine's model): training keeps these values elsewhere (the "
                 f"fp32 master, a host copy or a shard), so the next step would write over the change. "
                 f"Change weights inside `with engine.gathered_parameters(modifier_rank=0):` (rank 0's "
                 f"values go to every rank and into the masters), or before initialize()")
         return self.kept
+
+
+def _names(names: list[str]) -> str:
+    """The first three names, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
