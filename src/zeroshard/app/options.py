@@ -334,8 +334,7 @@ def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
     """A rank that fails on bad input (a checkpoint of another model, say) ends the command with
     that error's one line, as a flag error does, instead of the launcher's traceback of every rank;
     so does a stop by Ctrl-C or SIGTERM, naming the run's last checkpoint in `out` and the command
-    that continues it (`again`). Any other failure
-    is raised with its traceback."""
+    that continues it (`again`). Any other failure is raised with its traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     # Their tracebacks of the failed ranks are in the ChildFailedError re-raised below.
