@@ -488,3 +488,22 @@ def test_cached_rates_older_than_max_age_are_measured_again(tmp_path, monkeypatc
     assert figures == {"matmul": 2.0} and age is None and len(runs) == 2
     figures, age = plan_hw.calibrate("bf16", 2, str(tmp_path), False, again=True)
     assert figures == {"matmul": 3.0} and len(runs) == 3
+
+
+def test_a_cpu_plan_for_bf16_experts_says_their_kernels_grow_the_process():
+    """oneDNN keeps a bf16 kernel per matmul shape, and a mixture of experts' batches change shape
+    every step: no peak in the table counts that, so a CPU plan in bf16 says so (fp32, a dense
+    model or a GPU: nothing to say)."""
+    from types import SimpleNamespace
+
+    from zeroshard.app.plan import cpu_notes
+    from zeroshard.paper.plan_shapes import shape_from_hf
+
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 256,
+             "max_position_embeddings": 128}
+    mixtral = {**llama, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+    moe, dense = shape_from_hf(mixtral, "moe"), shape_from_hf(llama, "dense")
+    cpu, gpu = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in " ".join(cpu_notes(moe, cpu, "bf16"))
+    assert cpu_notes(moe, cpu, "fp32") == cpu_notes(dense, cpu, "bf16") == cpu_notes(moe, gpu, "bf16") == []

@@ -303,9 +303,25 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(table(shape, hw, line, plans, batch, args, changes, verified))
     if why_mp_1 and not args.mp:
         print(f"mp 1 only: {why_mp_1}")
+    for note in cpu_notes(shape, hw, args.precision):
+        print(f"note: {note}")
     if args.write:
         print(f"wrote the best configuration to {args.write}; train it with: "
               f"{train_command(args, best, hw)}" if best else f"did not write {args.write}: nothing fits")
+
+
+def cpu_notes(shape, hw, precision: str) -> list[str]:
+    """What a CPU run meets that no peak in the table counts. bf16 matmuls on a CPU go through
+    oneDNN, which keeps a kernel (and its buffers) for every new shape, up to 1024 of them; a mixture
+    of experts sends each expert a different number of tokens every step, so its matmuls keep
+    meeting new shapes and the process grows step after step until the cache is full. fp32 takes
+    another path and does not grow."""
+    if hw.device != "cpu" or precision != "bf16" or not shape.experts[0]:
+        return []
+    return ["bf16 on a CPU with a mixture of experts: oneDNN keeps a kernel for each new matmul shape "
+            "(up to 1024) and the experts' batches change shape every step, so RSS grows over the steps "
+            "beyond these peaks; fp32 does not, and ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 "
+            "LRU_CACHE_CAPACITY=64 bound it at a slower step (docs/plan.md, Known limits)"]
 
 
 def train_command(args: argparse.Namespace, best, hw) -> str:
