@@ -56,6 +56,10 @@ def test_optimizer_forms():
     assert isinstance(engine.optimizer, torch.optim.SGD) and engine.optimizer.param_groups[0]["lr"] == 0.5
     with pytest.raises(zeroshard.ConfigError, match="class SGD and the config's .* type 'AdamW' disagree"):
         zeroshard.initialize(nn.Linear(4, 4), torch.optim.SGD, {"optimizer": {"type": "AdamW"}})
+    with pytest.raises(zeroshard.ConfigError, match="class Adam and .* type 'AdamW' .a section of type "
+                       "\"Adam\" is DeepSpeed's: AdamW, decoupled weight decay, unless \"adam_w_mode\": "
+                       "false. disagree"):
+        zeroshard.initialize(nn.Linear(4, 4), torch.optim.Adam, {"optimizer": {"type": "Adam"}})
     engine = zeroshard.initialize(nn.Linear(4, 4),
                                   config={"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
     assert isinstance(engine.optimizer, torch.optim.AdamW)

@@ -80,6 +80,10 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", *common, "--stage", "2", "--precision", "fp32",
                     "--out", str(tmp_path / "b")).stdout
     assert "ZeRO stage 2, 2 ranks on cpu (gloo), fp32 SGD" in out, out
+    # --resume alone keeps both: the run's config, and the flags it gave beside it
+    out = zeroshard("train", "--steps", "4", "--resume", "--out", str(tmp_path / "b")).stdout
+    assert f"--config {config} --stage 2 --precision fp32" in out and \
+        "ZeRO stage 2, 2 ranks on cpu (gloo), fp32 SGD" in out, out
     # The same command again (no --resume): a new run, the earlier run's checkpoints kept aside.
     earlier = _train_losses(str(tmp_path / "a"))
     out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout
@@ -272,6 +276,7 @@ def test_hugging_face_architecture_from_a_local_config(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["train", "--data", "/no/such/file"], "neither a file nor a directory"),
+    (["train", "--data", __file__, "--seq-len", "100000"], "the train split has"),
     (["train", "--config", "/no/such.json"], "does not exist"),
     (["train", "--hf-config", "/no/such/config.json"], "does not exist"),
     (["train", "--seq-len", "0"], "--seq-len must be >= 1"),

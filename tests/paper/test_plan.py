@@ -263,6 +263,9 @@ def test_bad_input_refused_by_name(tmp_path):
     short = tmp_path / "short.json"  # a context `zeroshard train` would refuse --seq-len 128 for
     short.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2,
                                  "vocab_size": 256, "n_positions": 64}))
+    bert = tmp_path / "bert.json"  # its causal-LM class attends to later tokens: not a decoder
+    bert.write_text(json.dumps({"model_type": "bert", "num_hidden_layers": 2, "hidden_size": 64,
+                                "num_attention_heads": 2, "intermediate_size": 128, "vocab_size": 300}))
     for args, words in [
         (["--hf-config", str(short), "--seq-len", "128"], "--seq-len 128 exceeds the model's context (64)"),
         (["--hf-config", str(not_model)], "not a model config"),
@@ -276,6 +279,15 @@ def test_bad_input_refused_by_name(tmp_path):
             "not a writable directory",
         ),
         (["--params", "1e9"], "--params needs --layers and --width"),
+        (["--params", "1e9", "--layers", "8", "--width", "2048", "--heads", "5"],
+         "--heads 5 must divide --width"),
+        (["--params", "8e6", "--layers", "2", "--width", "128", "--verify"], "give --model or --hf-config"),
+        (["--model", "tiny", "--heads", "3"], "--heads describe a model with --params"),
+        (["--hf-config", str(short), "--seq-len", "32", "--layers", "2"], "--layers describe a model with"),
+        (["--model", "tiny", "--nodes", "1", "--nproc", "3"], "--nproc counts this machine's ranks"),
+        (["--model", "tiny", "--h2d-gbps", "5", "--recalibrate"], "--recalibrate measures this machine"),
+        (["--model", "tiny", "--nodes", "1", "--write", str(tmp_path)], "is a directory; give a file name"),
+        (["--hf-config", str(bert), "--nodes", "1", "--seq-len", "32"], "is a bert, an encoder"),
     ]:
         done = zeroshard_here("plan", *args)
         assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
@@ -312,6 +324,29 @@ def test_write_loads_and_trains(tmp_path, plan_cache):
         timeout=600,
     )
     assert train.returncode == 0, train.stderr[-3000:]
+
+
+def test_write_for_another_machine_says_how_to_train_it(tmp_path):
+    """A plan for machines `zeroshard train` does not run (several nodes), or for a model given by
+    its size alone (--params), says to pass the written config to zeroshard.initialize or
+    ZeroTrainer, not a `zeroshard train` line that would build another model or start a launcher
+    per rank; a best offloading to nvme is written only with --nvme-path (the config needs it)."""
+    path = tmp_path / "ds.json"
+    llama = ("--params", "7e9", "--layers", "32", "--width", "4096", "--seq-len", "1024",
+             "--write", str(path))
+    done = zeroshard_here("plan", *llama, "--nodes", "4", "--gpus-per-node", "8")
+    assert "give it to zeroshard.initialize(model, config=...) or ZeroTrainer in your script, under " \
+        "torchrun on each of 4 nodes (--nnodes 4 --nproc-per-node 8)" in done.stdout, done.stdout
+    zeroshard.Config.load(str(path))
+    tight = ("--nodes", "1", "--gpus-per-node", "2", "--gpu-mem", "24", "--host-mem", "48",
+             "--global-batch", "2")
+    done = zeroshard_here("plan", *llama, *tight)
+    assert "opt->nvme" in done.stdout.split("best:")[1].split("\n")[0], done.stdout
+    assert f"did not write {path}: the best offloads to nvme: give --nvme-path DIR" in done.stdout
+    done = zeroshard_here("plan", *llama, *tight, "--nvme-path", "/local_nvme")  # that machine's path
+    zeroshard.Config.load(str(path))
+    offload = json.loads(path.read_text())["zero_optimization"]["offload_optimizer"]
+    assert done.returncode == 0 and offload["nvme_path"] == "/local_nvme", done.stdout
 
 
 def test_paper_projection_states_its_error():

@@ -431,6 +431,8 @@ def _model_and_shape(family: str, extra: dict, layers: int, folder):
                                            ("llama", {"model_type": "mixtral", "num_local_experts": 4,
                                                       "num_experts_per_tok": 2}),
                                            ("llama", {"model_type": "gpt_neox"}),
+                                           ("llama", {"model_type": "phi", "num_key_value_heads": 4,
+                                                      "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
                                            ("llama", {"model_type": "opt", "ffn_dim": 344, "dropout": 0.0,
                                                       "word_embed_proj_dim": 128}),
                                            ("gpt2", {"activation_function": "gelu", "resid_pdrop": 0.0,
@@ -440,8 +442,8 @@ def test_a_blocks_predicted_activations_match_what_autograd_saves(tmp_path, fami
     actually saves (bf16, training mode): the difference between a 4- and a 2-block model, for the
     built-in GPT and two Hugging Face families with their own activation functions, fp32 norms and
     dropout, a mixture of experts (its tokens routed, and the router's probabilities), and two
-    plain-MLP families read off the built model (GPT-NeoX: GELU and LayerNorm; OPT: ReLU). Within
-    10%."""
+    plain-MLP families read off the built model (GPT-NeoX: GELU and LayerNorm; Phi: GPT-2's
+    "gelu_new"; OPT: ReLU). Within 10%."""
     import torch
 
     from zeroshard.app.gpt import lm_loss
@@ -507,3 +509,25 @@ def test_a_cpu_plan_for_bf16_experts_says_their_kernels_grow_the_process():
     cpu, gpu = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in " ".join(cpu_notes(moe, cpu, "bf16"))
     assert cpu_notes(moe, cpu, "fp32") == cpu_notes(dense, cpu, "bf16") == cpu_notes(moe, gpu, "bf16") == []
+
+
+def test_where_nothing_fits_nvme_is_suggested_with_the_disk_it_needs():
+    """smallest_change on a machine without --nvme-path (no disk weighed): nvme offload is still
+    tried, on a disk of any size, and suggested with the space it needs; on a CPU group more nodes
+    are machines like this one (no --nodes flag, which would plan another machine's GPUs)."""
+    from zeroshard.paper.plan import Hardware, plan, smallest_change
+
+    hw = Hardware(nodes=1, per_node=2, device_bytes=64e9, host_bytes=64e9, disk_bytes=0.0, rates=RATES,
+                  device="cpu", nvme=False)
+    roomy = replace(hw, nvme=True, disk_bytes=1e15)
+    big = gpt2_shape("1.2B", 24, 2048, 16, 50257, 128)
+    plans = [p for p in plan(big, roomy, 2, 128, "bf16", [1]) if p.fits]
+    on_disk = min(p.peak.host for p in plans if "nvme" in p.setup.name)
+    in_memory = min(p.peak.host for p in plans if "nvme" not in p.setup.name)
+    assert on_disk < in_memory
+    between = (on_disk + in_memory) / 2 * hw.per_node  # (a node's host memory, its ranks' peaks)
+    tight = replace(hw, device_bytes=between, host_bytes=between)
+    assert not any(p.fits for p in plan(big, tight, 2, 128, "bf16", [1]))
+    changes = smallest_change(big, tight, 2, 128, "bf16", [1], machine_flags=None)
+    assert changes[0].startswith("nvme offload (give --nvme-path, a directory on a fast local disk with ")
+    assert any(c.startswith("more machines like this one: 2 (4 ranks)") for c in changes), changes

@@ -304,7 +304,7 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds", "compare")}
         train_args = TrainArgs(**options)
         _say_heads(train_args)
-        check_paths(args.data)
+        check_paths(args.data, train_args.seq_len)
         engine_config = train_args.engine_config()
         check_nvme_path(train_args.nvme_path, engine_config)
         accumulation = zeroshard.Config.load(engine_config).gradient_accumulation_steps

@@ -7,8 +7,10 @@ import sysconfig
 
 import torch
 
+CORPUS_BYTES = 4_000_000  # what a run reads of its text, at most
 
-def default_corpus_files(max_bytes: int = 4_000_000) -> list[str]:
+
+def default_corpus_files(max_bytes: int = CORPUS_BYTES) -> list[str]:
     """Sorted .py files of the standard library, up to about `max_bytes` (deterministic)."""
     root = sysconfig.get_paths()["stdlib"]
     files, total = [], 0
@@ -22,7 +24,7 @@ def default_corpus_files(max_bytes: int = 4_000_000) -> list[str]:
     return files
 
 
-def load_corpus(paths: list[str] | None, max_bytes: int = 4_000_000) -> torch.Tensor:
+def load_corpus(paths: list[str] | None, max_bytes: int = CORPUS_BYTES) -> torch.Tensor:
     """Bytes of the given text files (or directories of them), or of the default corpus, as uint8:
     a token is a byte, and a rank holds the corpus for the whole run (as int64 it would be 8 times
     the text's size, 30 MiB of the default's 4 MB); Batches widens only the windows it draws."""
@@ -35,10 +37,14 @@ def load_corpus(paths: list[str] | None, max_bytes: int = 4_000_000) -> torch.Te
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def check_paths(paths: list[str]) -> None:
-    """Raise a clear error now for a --data path that is missing, unreadable or empty."""
+def check_paths(paths: list[str], seq_len: int, max_bytes: int = CORPUS_BYTES) -> None:
+    """Raise a clear error now for a --data path that is missing, unreadable or empty, or whose text
+    is too short for a window of seq_len in each split (load_corpus's bytes, counted from sizes)."""
     if paths:
-        _expand(paths)
+        files = _expand(paths)
+        tokens = min(sum(os.path.getsize(f) for f in files) + len(files) - 1, max_bytes)
+        for name, length in _splits(tokens):
+            _check_split(name, length, seq_len)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -58,17 +64,27 @@ def _expand(paths: list[str]) -> list[str]:
     return files
 
 
+def _splits(tokens: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    """The train and validation splits' lengths: 90/10."""
+    cut = int(tokens * 0.9)
+    return ("train", cut), ("val", tokens - cut)
+
+
+def _check_split(name: str, length: int, seq_len: int) -> None:
+    if length <= seq_len + 1:
+        raise ValueError(f"the {name} split has {length} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
+                         f"give more text or a shorter --seq-len")
+
+
 class Batches:
     """Random windows of a token stream, split 90/10 into train and validation."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        cut = int(len(tokens) * 0.9)
+        (_, cut), _ = _splits(len(tokens))
         self.splits = {"train": tokens[:cut], "val": tokens[cut:]}
         self.seq_len = seq_len
         for name, split in self.splits.items():
-            if len(split) <= seq_len + 1:
-                raise ValueError(f"the {name} split has {len(split)} tokens, fewer than seq_len + 2 = "
-                                 f"{seq_len + 2}; give more text or a shorter --seq-len")
+            _check_split(name, len(split), seq_len)
 
     def get(self, split: str, batch_size: int,
             generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

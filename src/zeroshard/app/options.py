@@ -74,9 +74,10 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         return  # the ranks report an unreadable checkpoint, by name
     saved = client_state.get("args")
     saved, taken, kept = saved if isinstance(saved, dict) else {}, [], []
+    config_now = args.config is not None  # (before the run's own --config is taken below)
     for name in _RESUMED:
         value, mine = saved.get(name), getattr(args, name, None)
-        if name in _DECIDED_BY_CONFIG and args.config is not None:
+        if name in _DECIDED_BY_CONFIG and config_now:
             continue
         if _unset(mine):
             if not _unset(value):

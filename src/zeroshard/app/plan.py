@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     m.add_argument("--layers", type=int, help="layers (with --params, or overriding --model's)")
     m.add_argument("--width", type=int, help="width (with --params, or overriding --model's)")
     m.add_argument("--heads", type=int, help="attention heads (with --params; default width / 128)")
-    m.add_argument("--vocab", type=int, default=50257, help="vocabulary (with --params; default 50257)")
+    m.add_argument("--vocab", type=int, help="vocabulary (with --params; default 50257)")
     t = p.add_argument_group("the training")
     t.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step in all (default 8 per rank)"
@@ -96,6 +96,11 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
     ]
     if len(given) > 1:
         parser.error(f"give one of --hf-config, --model or --params, not {' and '.join(given)}")
+    sized = ("heads", "vocab") + (("layers", "width") if args.hf_config else ())
+    unused = [f"--{n}" for n in sized if getattr(args, n) is not None and args.params is None]
+    if unused:
+        own = "--hf-config's config.json gives" if args.hf_config else "a built-in size has"
+        parser.error(f"{' and '.join(unused)} describe a model with --params; {own} its own")
     if args.hf_config:
         from zeroshard.paper.estimate import hf_config_file
         from zeroshard.paper.plan_shapes import shape_from_hf
@@ -112,15 +117,24 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
         if isinstance(context, int) and seq > context:  # (as `zeroshard train` would refuse the plan)
             parser.error(f"--seq-len {seq} exceeds the model's context ({context}) in '{file}'; give "
                          f"--seq-len {context} or less")
+        from zeroshard.hf import causal_lm_from_config
+        try:  # what `zeroshard train` (and here the reference runs and --verify) would refuse, now
+            causal_lm_from_config(file, seq, device="meta")
+        except ValueError as e:
+            parser.error(str(e))
+        except RuntimeError:
+            pass  # without transformers: planned from the config's keys
         return shape
     if args.params is not None:
         if args.layers is None or args.width is None:
             parser.error("--params needs --layers and --width (the activations and units depend on them)")
         heads = args.heads or max(1, args.width // 128)
+        if args.width % heads:
+            parser.error(f"--heads {heads} must divide --width {args.width}")
         from zeroshard.paper.plan_shapes import shape_from_params
 
         try:
-            return shape_from_params(args.params, args.layers, args.width, heads, args.vocab, seq)
+            return shape_from_params(args.params, args.layers, args.width, heads, args.vocab or 50257, seq)
         except ValueError as e:
             parser.error(str(e))
     size = args.model or "small"
@@ -202,24 +216,35 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.nvme_path is not None:
+    another = [f"--{n.replace('_', '-')}" for n in _ANOTHER_MACHINE if getattr(args, n) is not None]
+    local = not another
+    if args.nvme_path is not None and local:  # (another machine's path is written, not used, here)
         path = args.nvme_path
         if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
             parser.error(f"--nvme-path {path}: not a writable directory")
-    local = all(
-        getattr(args, n) is None
-        for n in ("nodes", "gpus_per_node", "gpu_mem", "host_mem", "disk", "link_gbps", "tflops")
-    )
-    if (args.verify or args.verify_top) and not local:
-        parser.error(
-            "--verify runs here: it cannot check a plan for another machine (drop --nodes, "
-            "--gpus-per-node, --gpu-mem, ...)"
-        )
+    for given, why in (
+        (args.verify or args.verify_top, "--verify runs here: it cannot check a plan for another machine"),
+        (args.nproc, "--nproc counts this machine's ranks (another's are --nodes x --gpus-per-node)"),
+        (args.recalibrate, "--recalibrate measures this machine's rates, which a plan for another does "
+                           "not use"),
+    ):
+        if given and not local:
+            parser.error(f"{why}; {' '.join(another)} describe another machine: drop one or the other")
+    if (args.verify or args.verify_top) and args.params is not None:
+        parser.error("--verify runs the model, and --params describes one by its size alone: give "
+                     "--model or --hf-config to verify")
     if args.write:
         folder = os.path.dirname(os.path.abspath(args.write))
+        if os.path.isdir(args.write):
+            parser.error(f"--write {args.write} is a directory; give a file name (ds_config.json)")
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--write {args.write}: '{folder}' is not a writable directory")
     return local
+
+
+# the flags that describe another machine (with the rates': any one of them plans for another)
+_ANOTHER_MACHINE = ("nodes", "gpus_per_node", "gpu_mem", "host_mem", "disk", "link_gbps", "tflops",
+                    "host_adam", "h2d_gbps", "disk_gbps")
 
 
 def _hf_family(args: argparse.Namespace) -> dict | None:
@@ -287,8 +312,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"multiple of {hw.ranks}"
         )
     best = plans[0] if plans[0].fits else None
-    changes = [] if best else smallest_change(shape, hw, batch, args.seq_len, args.precision, mps)
-    if args.write and best:
+    changes = [] if best else smallest_change(shape, hw, batch, args.seq_len, args.precision, mps,
+                                               _machine_flags(hw) if local else "")
+    unwritten = _unwritten(args, best)
+    if args.write and best and not unwritten:
         with open(args.write, "w") as f:
             json.dump(config_of(best, batch, args.nvme_path), f, indent=1)
     verified = []
@@ -306,8 +333,28 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for note in cpu_notes(shape, hw, args.precision):
         print(f"note: {note}")
     if args.write:
-        print(f"wrote the best configuration to {args.write}; train it with: "
-              f"{train_command(args, best, hw)}" if best else f"did not write {args.write}: nothing fits")
+        print(f"did not write {args.write}: {unwritten}" if unwritten else
+              f"wrote the best configuration to {args.write}; {train_command(args, best, hw)}")
+
+
+def _unwritten(args: argparse.Namespace, best) -> str:
+    """Why --write writes nothing ("" where it writes)."""
+    if best is None:
+        return "nothing fits"
+    nvme = "nvme" in (best.setup.offload_optimizer, best.setup.offload_param)
+    if nvme and not args.nvme_path:
+        return ("the best offloads to nvme: give --nvme-path DIR, the directory on the machine that "
+                "trains, to write it into the config")
+    return ""
+
+
+def _machine_flags(hw) -> str | None:
+    """This machine as --nodes' companions: a suggestion of more nodes then plans more of these,
+    not of another machine's defaults. None for a CPU group (another machine's flags plan GPUs)."""
+    if hw.device == "cpu":
+        return None
+    return (f" --gpus-per-node {hw.per_node} --gpu-mem {hw.device_bytes / 1e9:.0f} "
+            f"--host-mem {hw.host_bytes / 1e9:.0f}")
 
 
 def cpu_notes(shape, hw, precision: str) -> list[str]:
@@ -325,11 +372,17 @@ def cpu_notes(shape, hw, precision: str) -> list[str]:
 
 
 def train_command(args: argparse.Namespace, best, hw) -> str:
-    """The `zeroshard train` line that runs the written config as planned: the model, the ranks,
-    and --tp, which the config file cannot carry (tensor parallelism is the model's split)."""
+    """How to train the written config: the `zeroshard train` line that runs it as planned (the
+    model, the ranks, and --tp, which the config file cannot carry: tensor parallelism is the
+    model's split), where zeroshard train can run it: one machine, a model it builds."""
+    if args.params is not None or hw.nodes > 1:
+        where = (f"under torchrun on each of {hw.nodes} nodes (--nnodes {hw.nodes} --nproc-per-node "
+                 f"{hw.per_node})" if hw.nodes > 1 else f"with {hw.ranks} ranks")
+        return (f"give it to zeroshard.initialize(model, config=...) or ZeroTrainer in your script, "
+                f"{where}" + (f", with the model split --tp {best.setup.mp}" if best.setup.mp > 1 else ""))
     model = (f"--hf-config {args.hf_config}" if args.hf_config else
              f"--size {args.model or 'small'}" + "".join(f" --{k} {v}" for k in ("layers", "width")
                                                           if (v := getattr(args, k)) is not None))
     tp = f" --tp {best.setup.mp}" if best.setup.mp > 1 else ""
-    nproc = f" --nproc {hw.per_node}" if hw.nodes == 1 else f" (under torchrun, {hw.per_node} ranks a node)"
-    return f"zeroshard train --config {args.write} {model} --seq-len {args.seq_len}{tp}{nproc}"
+    return f"train it with: zeroshard train --config {args.write} {model} --seq-len {args.seq_len}{tp} " \
+           f"--nproc {hw.per_node}"

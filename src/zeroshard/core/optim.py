@@ -105,9 +105,13 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict],
         cls, kwargs = config.optimizer.build_class(), config.optimizer.params
     elif isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
         if config.optimizer is not None and not issubclass(spec, config.optimizer.build_class()):
+            adam = issubclass(spec, torch.optim.Adam) and config.optimizer.type == "AdamW"
+            why = (" (a section of type \"Adam\" is DeepSpeed's: AdamW, decoupled weight decay, unless "
+                   "\"adam_w_mode\": false)") if adam else ""
             raise ConfigError(f"the optimizer class {spec.__name__} and the config's \"optimizer\" section "
-                              f"of type {config.optimizer.type!r} disagree (its params were written for that "
-                              f"type); pass optimizer=None to build the section's, or change its type")
+                              f"of type {config.optimizer.type!r}{why} disagree (its params were written "
+                              f"for that type); pass optimizer=None to build the section's, or change its "
+                              f"type")
         cls, kwargs = spec, (config.optimizer.params if config.optimizer else {})
     elif callable(spec):
         if config.optimizer is not None:  # which one the user meant cannot be guessed

@@ -201,15 +201,23 @@ def smallest_change(
     seq: int,
     precision: str = "bf16",
     mps: list[int] | None = None,
+    machine_flags: str | None = "",
 ) -> list[str]:
-    """When nothing fits: the least changes that make something fit, each alone."""
+    """When nothing fits: the least changes that make something fit, each alone. `machine_flags`
+    follow a suggested --nodes (this machine's figures, where the plan is for this machine); None:
+    no flags describe it (a CPU group), so more nodes are said in machines like this one."""
     changes = []
 
     def fits(h: Hardware, b: int, s: int) -> bool:
         return any(p.fits for p in plan(shape, h, b, s, precision, mps))
 
-    if not hw.nvme and fits(replace(hw, nvme=True), global_batch, seq):
-        changes.append("nvme offload (give --nvme-path, a directory on a fast local disk)")
+    if not hw.nvme:  # a disk of any size: the suggestion says how much it needs
+        roomy = replace(hw, nvme=True, disk_bytes=hw.disk_bytes or math.inf)
+        fitting = [p for p in plan(shape, roomy, global_batch, seq, precision, mps) if p.fits]
+        if fitting:
+            need = min(p.peak.disk for p in fitting) * hw.per_node
+            changes.append(f"nvme offload (give --nvme-path, a directory on a fast local disk with "
+                           f"{need / GIB:.1f} GiB free)")
     for factor in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         bigger = replace(hw, nodes=hw.nodes * factor)
         batch = (
@@ -219,7 +227,10 @@ def smallest_change(
         )
         if fits(bigger, batch, seq):
             more = f" and --global-batch {batch}" if batch != global_batch else ""
-            changes.append(f"more nodes: --nodes {bigger.nodes} ({bigger.ranks} devices){more}")
+            changes.append(f"more machines like this one: {bigger.nodes} ({bigger.ranks} ranks){more}"
+                           if machine_flags is None else
+                           f"more nodes: --nodes {bigger.nodes}{machine_flags} ({bigger.ranks} devices)"
+                           f"{more}")
             break
     shorter = seq // 2
     while shorter >= 16:

@@ -261,7 +261,7 @@ def _hf_block(config: Mapping, family: str, model=None) -> dict:
         norms = {type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower()}
         built = model.config  # (the class's defaults filled in)
         act = getattr(built, "hidden_act", None) or getattr(built, "activation_function", None)
-        plain = 1 if act == "relu" else 2  # (ReLU's backward needs its output alone: the next matmul's input)
+        plain = 1 if act == "relu" else _MLP_SAVED.get(act, 2)  # (ReLU's backward needs its output alone)
         block.update(mlp_saved=3 if gated else plain, norm_fp32=any("RMSNorm" in n for n in norms))
     return block
 

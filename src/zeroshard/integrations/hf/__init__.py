@@ -23,7 +23,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'zeroshard.hf' has no attribute {name!r}")
 
 
-def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
+def causal_lm_from_config(path: str, seq_len: int, device: str | torch.device | None = None) -> nn.Module:
+    """The causal LM a config.json (or the model folder holding one) describes, with fresh fp32
+    weights: what `zeroshard train --hf-config` trains. ValueError naming what it refuses: a
+    sequence beyond the model's context, a vocabulary too small for byte-level data, a model_type
+    transformers does not know, an encoder-decoder, or an encoder whose causal-LM class attends to
+    later tokens. `device="meta"` checks all of that without allocating (`zeroshard plan`)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -34,7 +39,7 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
         raise FileNotFoundError(f"--hf-config: '{file}' does not exist")
     with open(file) as f:
         raw = json.load(f)
-    if "model_type" not in raw:
+    if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"--hf-config: '{file}' has no \"model_type\" (e.g. \"gpt2\", \"llama\")")
     config = _config_of(raw, file)
     config.use_cache = False  # training: no key/value cache in the outputs
@@ -46,12 +51,36 @@ def causal_lm_from_config(path: str, seq_len: int) -> nn.Module:
     # fp32 weights whatever the file's dtype (real configs say "bfloat16"): --precision decides what
     # the model computes in, and the masters start from full-precision initial values.
     try:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.device(device) if device is not None else _nothing():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise
         raise ValueError(f"--hf-config: '{file}' is a {config.model_type}, which has no causal-LM class in "
                          f"transformers (an encoder-decoder): train a decoder-only model") from None
+    _refuse_bidirectional(model, file)
+    return model
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _refuse_bidirectional(model: nn.Module, file: str) -> None:
+    """An encoder's causal-LM class (BERT's BertLMHeadModel, RoBERTa's, XLM's) attends to later
+    tokens unless its config says it is a decoder: next-token training would then see its targets.
+    Whether a family is an encoder: it has a masked-LM class. A seq2seq family's causal-LM class is
+    its decoder, which sets is_decoder itself (BART's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    config = model.config
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not (
+            getattr(config, "is_decoder", False) or getattr(config, "causal", False)):
+        raise ValueError(f"--hf-config: '{file}' is a {config.model_type}, an encoder: its causal-LM class "
+                         f"({type(model).__name__}) lets each token attend to the tokens after it, so "
+                         f"next-token training would see its targets. Set \"is_decoder\": true in the "
+                         f"config (causal attention), or train a decoder-only model")
 
 
 def context_of(config) -> int | None:
