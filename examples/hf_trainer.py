@@ -48,7 +48,8 @@ def main() -> None:
         save_total_limit=1, report_to="none", use_cpu=opts.cpu or not torch.cuda.is_available())
     trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals,
                           zero_config=opts.config)
-    trainer.train()  # trainer.train(resume_from_checkpoint=True) continues, at any number of ranks
+    trainer.train()  # trainer.train(resume_from_checkpoint=True) continues at any number of ranks
+    # giving the same global batch (Trainer's steps count batches)
     loss = trainer.evaluate()["eval_loss"]  # Trainer's: batch by batch over the ranks, then averaged
     trainer.save_model(os.path.join(opts.out, "model"))  # every rank takes part; rank 0 writes
 

@@ -248,9 +248,22 @@ def _replaced_on_the_modifying_rank(rank: int, world_size: int) -> None:
     x, y = batches(1, 2 * world_size)[0]
     engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
     engine.step()  # every rank raised alike and the engine is whole: training goes on
+    # An exception inside on rank 0 alone (an evaluation there failing): rank 0 gets its own, the
+    # others one naming it, and training goes on (before, rank 1 paired the exit's collective with
+    # rank 0's next forward, and gloo aborted the process).
+    for modifier in (None, 0):
+        with pytest.raises(ValueError if rank == 0 else RuntimeError,
+                           match="evaluation failed" if rank == 0 else
+                           "rank 0 raised inside gathered_parameters\\(\\): ValueError: evaluation failed"):
+            with engine.gathered_parameters(modifier_rank=modifier):
+                if rank == 0:
+                    raise ValueError("evaluation failed")
+        engine.backward(loss_fn(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+        engine.step()
 
 
 def test_a_tensor_replaced_by_the_modifying_rank_alone_is_refused_on_every_rank():
     """`p.data = t` on rank 0 alone inside gathered_parameters(modifier_rank=0) (the pattern of
-    rank-0 edits): every rank raises, none is left waiting in the exit's broadcasts."""
+    rank-0 edits), or an exception raised there: every rank raises, none is left waiting in the
+    exit's broadcasts."""
     spawn(_replaced_on_the_modifying_rank, 2)

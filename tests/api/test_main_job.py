@@ -174,6 +174,16 @@ def test_a_stopped_run_says_how_it_continues(tmp_path):
     assert "zeroshard: stopped by SIGTERM: its last checkpoint is step" in err, err[-3000:]
     assert f"continue with `zeroshard train --resume --out {out} --steps 100000 --save-every 5`" in err, err
     assert "Traceback" not in err, err[-3000:]
+    # A rank killed (the OOM killer's SIGKILL; here the drill's) without --max-restarts: one line
+    # naming it, the checkpoint and how to continue or survive the next one.
+    killed = subprocess.run([sys.executable, "-m", "zeroshard", "train", "--device", "cpu", "--size", "tiny",
+                             "--seq-len", "16", "--steps", "6", "--save-every", "2",
+                             "--out", str(tmp_path / "k")], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "ZEROSHARD_DRILL_KILL": "1:4"})
+    said = "zeroshard: error: rank 1 was killed (SIGKILL; out of memory?): its last checkpoint is step4; " \
+        "continue with `zeroshard train --resume"
+    assert killed.returncode == 1 and said in killed.stderr, killed.stderr[-3000:]
+    assert "Traceback" not in killed.stderr and "--max-restarts K restarts the ranks" in killed.stderr
 
 
 def test_the_report_counts_skipped_steps(tmp_path):

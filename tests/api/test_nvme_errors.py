@@ -167,3 +167,23 @@ def test_two_engines_of_one_run_get_a_directory_each(one_process_group, tmp_path
     first, second = _initialize(str(tmp_path)), _initialize(str(tmp_path))
     assert sorted(os.listdir(tmp_path / "zeroshard-run2")) == ["rank0", "rank0.1"]
     assert first.memory_stats()["disk"] == second.memory_stats()["disk"] > 0
+
+
+def test_a_disk_filled_after_initialize_is_named_with_the_file(tmp_path, monkeypatch):
+    """The free space is checked at initialize, but another process may take it before a file is
+    made (the optimizer state's, at the first step): posix_fallocate's ENOSPC is an OSError naming
+    the file and the cause, and leaves no file. Before, the file was made sparse, and a write
+    through its map later killed the process with SIGBUS."""
+    import errno
+
+    from zeroshard.offload.nvme.store import DiskStore
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    store = DiskStore({"optimizer": str(tmp_path)})
+    with pytest.raises(OSError, match="disk offload .nvme_path.: reserving 0.0 MiB for .*x.exp_avg: No space "
+                                      "left on device: the disk filled after initialize.. checked"):
+        store.new_tensor("optimizer", "x.exp_avg", 1000, torch.float32)
+    assert os.listdir(tmp_path) == []

@@ -238,6 +238,37 @@ def test_a_failed_write_is_one_clear_error_and_leaves_nothing_behind(tmp_path):
     spawn(_save_onto_a_full_disk, 2, str(tmp_path))
 
 
+def _latest_not_moved(rank: int, world_size: int, directory: str) -> None:
+    import errno
+    engine = _engine(2, seed=0)
+    _train(engine, rank, world_size, range(1))
+    engine.save_checkpoint(directory, tag="a")
+    replace = os.replace
+
+    def full(src, dst):  # the disk fills with the checkpoint's last byte: the pointer cannot move
+        if str(dst).endswith("latest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        replace(src, dst)
+
+    os.replace = full
+    try:
+        saved = "checkpoint 'b' saved, complete, at .*, but 'latest' could not be moved to it .No space left"
+        with pytest.raises(zeroshard.CheckpointError, match=saved):
+            engine.save_checkpoint(directory, tag="b")
+    finally:
+        os.replace = replace
+    assert open(os.path.join(directory, "latest")).read() == "a"
+    assert sorted(os.listdir(directory)) == ["a", "b", "latest"]  # b kept: complete, loadable by its tag
+    assert engine.load_checkpoint(directory, tag="b")[0].endswith("b") and engine.global_steps == 1
+
+
+def test_a_latest_that_cannot_move_is_said_and_the_checkpoint_kept(tmp_path):
+    """A save whose files and manifest are written but whose `latest` pointer cannot be moved (the
+    disk full by then) says so: the checkpoint is complete and kept, loadable by its tag. Before,
+    the error said it was not saved and its files removed, while it stood complete."""
+    spawn(_latest_not_moved, 2, str(tmp_path))
+
+
 def _leftovers_swept(rank: int, world_size: int, directory: str) -> None:
     engine = _engine(1, seed=0)
     _train(engine, rank, world_size, range(1))

@@ -321,8 +321,10 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     assert engine.get_lr() == [0.1] and engine.get_global_grad_norm() > 0
     engine.zero_grad()  # a torch loop's habit before the forward: nothing to clear
     engine.backward(engine(torch.ones(2, 4)).sum())
-    with pytest.raises(RuntimeError, match="zero_grad\\(\\) after backward\\(\\) and before step"):
-        engine.zero_grad()
+    engine.zero_grad()  # after a backward (a batch abandoned before its step): its gradients go
+    with pytest.raises(RuntimeError, match="step\\(\\) with no backward since the last update"):
+        engine.step()
+    engine.backward(engine(torch.ones(2, 4)).sum())
     # The torch optimizer's own step() would update nothing: its shards get gradients only inside
     # engine.step() (reduced, unscaled, clipped). Refused by name; the engine's step still works.
     with pytest.raises(RuntimeError, match="engine.optimizer.step\\(\\) called directly"):
@@ -481,3 +483,76 @@ def _train_tiny_gpt(rank: int, world_size: int, checkpointing: str | None,
 
 def test_activation_checkpointing_at_every_stage():
     spawn(_activation_checkpointing, 2)
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises while `armed`: a backward that fails part-way."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if _FailInBackward.armed:
+            raise ValueError("injected failure in backward")
+        return grad
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if i == 1:
+                x = _FailInBackward.apply(x)
+        return x.sum(dim=1)
+
+
+def _caught_failures(rank: int, world_size: int) -> None:
+    """A loop that catches a failure and goes on with the next batch: a backward raising part-way
+    (step 1), an error between backward and step followed by the loop's zero_grad() (step 2), and a
+    NaN on one rank raising NonFiniteError on every rank (step 3). Each drops its batch: the result
+    equals single-process torch that never saw those batches (before, their partial gradients went
+    into the next update, and a caught NonFiniteError failed every later step)."""
+    def data(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        g = torch.Generator().manual_seed(step)
+        return [(torch.randn(4, 8, generator=g), torch.randn(4, generator=g)) for _ in range(world_size)]
+
+    def adamw(p):
+        return torch.optim.AdamW(p, lr=1e-2)
+
+    torch.manual_seed(0)
+    ref = _Stack()
+    opt = adamw(ref.parameters())
+    for step in (0, 4, 5):
+        opt.zero_grad()
+        (sum(nn.functional.mse_loss(ref(x), y) for x, y in data(step)) / world_size).backward()
+        opt.step()
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        engine = zeroshard.initialize(_Stack(), adamw, {"zero_optimization": {"stage": stage}})
+        for step in range(6):
+            engine.zero_grad()  # a torch loop's habit: after the abandoned step 2, it drops its gradients
+            x, y = data(step)[rank]
+            if step == 3 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            _FailInBackward.armed = step == 1
+            try:
+                engine.backward(nn.functional.mse_loss(engine(x), y))
+                if step == 2:
+                    raise KeyError("injected failure between backward and step")
+                engine.step()
+            except (ValueError, KeyError, zeroshard.NonFiniteError) as e:
+                assert step in (1, 2, 3), e
+        assert_weights_match(engine, ref.state_dict(), 1e-5, 1e-6, f"stage {stage}")
+
+
+def test_a_caught_failure_drops_its_batch_as_torch_would():
+    spawn(_caught_failures, 2)

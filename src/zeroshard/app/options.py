@@ -334,8 +334,9 @@ def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
                         again: str = "") -> Iterator[None]:
     """A rank that fails on bad input (a checkpoint of another model, say) ends the command with
     that error's one line, as a flag error does, instead of the launcher's traceback of every rank;
-    so does a stop by Ctrl-C or SIGTERM, naming the run's last checkpoint in `out` and the command
-    that continues it (`again`). Any other failure is raised with its traceback."""
+    so does a stop by Ctrl-C or SIGTERM, or a rank killed by a signal, naming the run's last
+    checkpoint in `out` and the command that continues it (`again`). Any other failure is raised
+    with its traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     # Their tracebacks of the failed ranks are in the ChildFailedError re-raised below.
@@ -350,9 +351,16 @@ def ranks_report_errors(parser: argparse.ArgumentParser, out: str | None = None,
         messages = [f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
                     for f in failed.failures.values()]
         known = [m for m in messages if m.startswith(_USER_ERRORS)]
-        if not known:
-            raise
-        parser.exit(1, f"zeroshard: error: {known[0]}\n")
+        killed = sorted((rank, f.signal_name()) for rank, f in failed.failures.items()
+                        if f.exitcode is not None and f.exitcode < 0)
+        if known:
+            parser.exit(1, f"zeroshard: error: {known[0]}\n")
+        if killed:  # (by the kernel's OOM killer, or by hand): no traceback of ours says more
+            rank, signal = killed[0]
+            parser.exit(1, f"zeroshard: error: rank {rank} was killed ({signal}; out of memory?)"
+                           f"{_resume_hint(out, again)}. --max-restarts K restarts the ranks from the "
+                           f"last checkpoint (--save-every N) when one dies\n")
+        raise
     except (SignalException, KeyboardInterrupt) as stop:
         sigval = getattr(stop, "sigval", None)
         parser.exit(128 + (sigval or 2), f"zeroshard: stopped by {sigval.name if sigval else 'SIGINT'}"

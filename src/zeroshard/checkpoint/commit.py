@@ -27,6 +27,10 @@ LATEST = "latest"
 _LEFTOVER = re.compile(r"^\..+\.tmp$")
 
 
+class LatestNotUpdated(OSError):
+    """The checkpoint is committed (complete, under its tag), but `latest` could not be moved to it."""
+
+
 def commit(directory: str, tmp: str, final: str, tag: str) -> None:
     """Rank 0, once every rank's files and the manifest are in `tmp`: make it `tag`, then `latest`."""
     old = final + ".old"
@@ -36,9 +40,14 @@ def commit(directory: str, tmp: str, final: str, tag: str) -> None:
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     pointer = os.path.join(directory, f".{LATEST}.tmp")
-    with open(pointer, "w") as f:
-        f.write(tag)
-    os.replace(pointer, os.path.join(directory, LATEST))
+    try:
+        with open(pointer, "w") as f:
+            f.write(tag)
+        os.replace(pointer, os.path.join(directory, LATEST))
+    except OSError as e:  # (a disk that filled with the checkpoint's last file)
+        if os.path.exists(pointer):
+            os.remove(pointer)
+        raise LatestNotUpdated(e.errno, e.strerror) from None
 
 
 def sweep_leftovers(directory: str) -> None:

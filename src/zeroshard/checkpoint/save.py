@@ -31,7 +31,7 @@ from ..comm.collectives import Comm
 from ..core.flat_param import FlatParam
 from ..core.memory import on_disk
 from . import integrity, meta as checkpoint_meta
-from .commit import LATEST, commit, failure_of, sweep_leftovers
+from .commit import LATEST, LatestNotUpdated, commit, failure_of, sweep_leftovers
 from .integrity import CheckpointError, agree
 
 # Optimizer options that say how a run computes, not what: each run keeps its own on load.
@@ -125,12 +125,20 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         failed = failure_of(e)
     else:
         failed = integrity.commit_manifest(tmp, comm)  # every rank is done writing once this returns
+    unpointed = None
     if comm.rank == 0 and failed is None:
         try:
             commit(directory, tmp, final, tag)
+        except LatestNotUpdated as e:
+            unpointed = e.strerror
         except OSError as e:
             failed = f"rank 0: {e}"
-    failed = first_error(comm, failed)  # rank 0's too, on every rank
+    failed, unpointed = first_error(comm, failed), first_error(comm, unpointed)  # rank 0's, on all
+    if unpointed:
+        raise CheckpointError(f"checkpoint '{tag}' saved, complete, at '{final}', but '{LATEST}' could not "
+                              f"be moved to it ({unpointed}): it still names the checkpoint before. Load "
+                              f"this one by its tag (load_checkpoint('{directory}', tag='{tag}')); free "
+                              f"space in '{directory}' and the next save moves '{LATEST}'")
     if failed:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -312,6 +312,15 @@ class FlatGrad:
         if self.policy.shard_grads and self.grad_state is GradState.REDUCED:
             self._set_grad_state(GradState.HELD)
 
+    def drop_gradients(self) -> None:
+        """An abandoned accumulation cycle (a backward that raised, a refused backward or step):
+        every gradient it left goes, reduced or not, so the next backward starts from nothing."""
+        self.zero_grad()
+        if self.policy.shard_grads:
+            self.grads.full = None  # (a partial backward's sum; the next one starts a new accumulator)
+        self.grads.late = None
+        self.grads.pending = set(self.slot_of) if self.trainable else set()
+
     def zero_grad(self) -> None:
         if self.trainable:
             self._grad_will_change(in_place=not self.policy.shard_grads)

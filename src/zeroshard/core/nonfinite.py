@@ -67,9 +67,10 @@ class NonFiniteGuard:
             if self.comm.rank == 0:  # every rank skips it: one line says so
                 logger.warning("step %d skipped: non-finite %s%s", step, what, loss_note)
             return
-        raise NonFiniteError(f"step {step}: non-finite {what}{loss_note}. Lower the learning "
-                             f"rate, enable gradient_clipping, or set \"zeroshard\": {{\"on_nonfinite\": "
-                             f"\"skip\"}} to skip such steps")
+        raise NonFiniteError(f"step {step}: non-finite {what}{loss_note}. Nothing was updated and "
+                             f"this step's gradients were dropped: catching this, training goes on with "
+                             f"the next batch. Lower the learning rate, enable gradient_clipping, or set "
+                             f"\"zeroshard\": {{\"on_nonfinite\": \"skip\"}} to skip such steps")
 
     def end_cycle(self) -> None:
         self._bad_loss = None

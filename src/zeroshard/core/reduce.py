@@ -133,8 +133,12 @@ class GradientReducer:
             self._set_phase(CyclePhase.REDUCING)
 
     def backward_failed(self) -> None:
-        """engine.backward raised: gradients arriving from now on come from a plain backward."""
-        self.cursor.in_engine = False
+        """engine.backward raised part-way: the reductions it issued are waited for (nothing writes
+        into a buffer after the engine drops the cycle's gradients), and the next backward reduces
+        from the first group again. Gradients arriving from now on come from a plain backward."""
+        for flat in self.flats:
+            flat.wait_reduce()
+        self.cursor = BackwardCursor(ends_cycle=self.cursor.ends_cycle)
 
     def end_step(self) -> None:
         """The optimizer step consumed the reduced gradients: a new accumulation cycle begins."""

@@ -70,10 +70,11 @@ class EngineCompat:
                            f"it again with engine.backward(loss) in place of loss.backward()")
 
     def _drop_cycle(self) -> None:
-        """A refused backward or step: this accumulation cycle's gradients go, so a retry starts the
-        cycle afresh rather than adding to what the refused one left."""
+        """A refused or failed backward or step: this accumulation cycle's gradients go, so a retry
+        (or the next batch, where the user skips this one) starts the cycle afresh rather than
+        adding to what the refused one left."""
         for flat in self.flats:
-            flat.zero_grad()
+            flat.drop_gradients()
         self.reducer.end_step()
         self.micro_steps -= self.micro_steps % self.config.gradient_accumulation_steps
 
@@ -178,13 +179,14 @@ class EngineCompat:
         return self.last_grad_norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to clear: step() clears gradients. Kept for loops ported from torch, which call it
-        before the forward; after a backward it would drop gradients that stages 2-3 have already
-        reduced on every rank, so there it is refused."""
+        """After step() nothing is left to clear (step() clears gradients): a torch loop's call
+        before its forward does nothing. After a backward (a batch abandoned between backward and
+        step, its exception caught) it drops the accumulation cycle's gradients, as torch's does.
+        Those may already be reduced across ranks, so every rank must drop them: the ranks meet at a
+        gate first, and one that called it alone is named rather than left training on others'."""
         if self.reducer.saw_backward:
-            raise RuntimeError("engine.zero_grad() after backward() and before step(): ZeRO has already "
-                               "reduced these gradients across ranks. step() clears them; to skip a batch, "
-                               "do not call backward() for it")
+            self.comm.watch.gate("zero_grad() after backward()")
+            self._drop_cycle()
 
     def __iter__(self) -> Any:
         """`engine, optimizer, _, scheduler = initialize(...)`, DeepSpeed's habit: named, not a bare

@@ -30,7 +30,7 @@ from ..config import Config
 from ..construct import deferred_non_parameters, materialize_
 from ..core.flat_param import FlatParam
 from ..core.heap import HeapReleaser
-from ..core.nonfinite import NonFiniteGuard
+from ..core.nonfinite import NonFiniteError, NonFiniteGuard
 from ..core.optim import OptimizerSpec, build_optimizer, resolve_groups
 from ..core.policy import Buckets, StagePolicy
 from ..core.precision import LossScaler, Precision, convert_buffers
@@ -147,7 +147,7 @@ class Engine(EngineState, EngineCompat):
                   for i, opts in enumerate(options)]
         # Empty groups are kept, so engine.optimizer.param_groups[i] is the user's param_groups[i].
         self.optimizer = build_optimizer(optimizer, config, groups)
-        # Optional, as in DeepSpeed: a scheduler (or a callable optimizer -> scheduler) the engine
+        # Optional, as in DeepSpeed: a callable optimizer -> scheduler (a class, a lambda) the engine
         # steps after every real optimizer step and saves in checkpoints.
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         refuse_metric_schedule(self.lr_scheduler)
@@ -259,9 +259,10 @@ class Engine(EngineState, EngineCompat):
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         try:
             (loss * factor if factor != 1.0 else loss).backward()
-        except BaseException:
+        except BaseException:  # (the same on every rank that raised: it issues no collective)
             self._set_state(TrainingState.IDLE)
             self.reducer.backward_failed()
+            self._drop_cycle()
             raise
         try:
             self._finish_backward()
@@ -338,7 +339,11 @@ class Engine(EngineState, EngineCompat):
             flat.offload_grad()  # offload_optimizer: on its way to the host, if it is not yet
         self.reducer.end_step()
         skipped = self.skipped_steps
-        self.last_grad_norm = sharded_step(self.step_inputs, self.global_steps)
+        try:
+            self.last_grad_norm = sharded_step(self.step_inputs, self.global_steps)
+        except NonFiniteError:  # raised on every rank, before any update: the step did not happen,
+            self._drop_cycle()  # and its gradients go, so a loop that catches it trains on
+            raise
         self.step_applied = self.skipped_steps == skipped  # (begun, with the delayed update)
         for flat in self.flats:
             flat.zero_grad()

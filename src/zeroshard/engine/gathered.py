@@ -75,7 +75,16 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
     for unit in units:  # a module's load_state_dict() inside is taken too (core/guards.py)
         unit.set_edits(Edits.TAKEN if modifier_rank is not None else Edits.READ_ONLY)
     try:
-        yield
+        try:
+            yield
+        except Exception as e:  # the others still meet on exit: they raise too, rather than pair the
+            # exit's collective with this rank's next one (which gloo answers by aborting)
+            raised = f"rank {comm.rank} raised inside gathered_parameters(): {type(e).__name__}: {e}"
+            try:
+                _refuse_replaced(flats, comm, modifier_rank, raised)
+            except RuntimeError:
+                pass  # (this rank's own error is the one to raise)
+            raise
         _refuse_replaced(flats, comm, modifier_rank)
         if modifier_rank is not None:
             _take_changes(flats, seen, comm, modifier_rank)
@@ -94,11 +103,13 @@ def full_parameters(units: list[Unit], flats: list[FlatParam], comm: Comm,
             unit.reshard()  # stage 3 only: buffers kept gathered stay
 
 
-def _refuse_replaced(flats: list[FlatParam], comm: Comm, modifier_rank: int | None) -> None:
+def _refuse_replaced(flats: list[FlatParam], comm: Comm, modifier_rank: int | None,
+                     raised: str | None = None) -> None:
     """Collective: `p.data = t` inside (on the modifying rank alone, typically) would be dropped here
     without a word. Each replacement is pointed back and every rank raises alike, before any rank
-    reaches the broadcasts, where the others would wait for the one that raised."""
-    error = None
+    reaches the broadcasts, where the others would wait for the one that raised. So does an
+    exception `raised` inside the block on some ranks: the others raise naming it."""
+    error = raised
     for flat in flats:
         try:
             flat.refuse_replaced()

@@ -40,8 +40,9 @@ def initialize(model: nn.Module, optimizer: OptimizerSpec = None,
     optimizer: a callable `params -> torch.optim.Optimizer`, an Optimizer class, or None to use the
     config's DeepSpeed-style "optimizer" section. param_groups: optional torch-style groups over the
     model's parameters (e.g. no weight decay for biases); each becomes its own set of flat shards.
-    lr_scheduler: optional scheduler, or callable optimizer -> scheduler, stepped by the engine
-    after each optimizer step that was not skipped, and saved in checkpoints.
+    lr_scheduler: optional callable optimizer -> scheduler (a scheduler class, or a lambda; not an
+    instance, which was built over another optimizer), stepped by the engine after each optimizer
+    step that was not skipped, and saved in checkpoints.
     Without a process group, one is started from torchrun's variables, or as a single process.
     model_parameters: DeepSpeed's name for param_groups. Returns the engine alone (not DeepSpeed's
     4-tuple: the optimizer is engine.optimizer, the scheduler engine.lr_scheduler).

@@ -227,7 +227,8 @@ def _torch_uses_gomp() -> bool:
 
 
 def _compiled(compiler: str, flags: list[str]) -> str:
-    source = open(_SOURCE, "rb").read()
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
     key = hashlib.sha256(source + " ".join([compiler] + flags).encode()).hexdigest()[:16]
     cache = os.environ.get("ZEROSHARD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "zeroshard")
     target = os.path.join(cache, f"host_adam-{key}.so")

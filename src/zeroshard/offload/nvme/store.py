@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from typing import Any
@@ -34,6 +35,14 @@ def _libc() -> Any:
         return ctypes.CDLL(None, use_errno=True)
     except OSError:  # pragma: no cover - no libc (not Linux): maps are left to the kernel
         return None
+
+
+def _disk_error(e: OSError, doing: str, path: str) -> OSError:
+    """An offload file's OSError, naming the file and, for a full disk, what filled it."""
+    why = (": the disk filled after initialize() checked its free space (another process, or other "
+           "files there, took it). Free space there, or give nvme_path a larger disk"
+           if e.errno == errno.ENOSPC else "")
+    return OSError(e.errno, f"disk offload (nvme_path): {doing} {path}: {e.strerror}{why}")
 
 
 class DiskStore:
@@ -65,7 +74,13 @@ class DiskStore:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)  # the space is reserved now, not found missing later
-        except (AttributeError, OSError):
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # (a filesystem without fallocate)
+                os.close(fd)
+                os.remove(path)
+                raise _disk_error(e, f"reserving {nbytes / 2**20:.1f} MiB for", path) from None
+            os.ftruncate(fd, nbytes)  # sparse: a write through the map then finds the space or not
+        except AttributeError:  # pragma: no cover - no posix_fallocate (not Linux)
             os.ftruncate(fd, nbytes)
         self._fds[path] = fd
         self._maps[path] = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
@@ -124,12 +139,15 @@ class DiskStore:
         """The file behind `t` <- values (pwrite), synced, and its pages dropped."""
         if values.device.type != "cpu" or values.dtype != t.dtype or not values.is_contiguous():
             values = values.to("cpu", t.dtype).contiguous()
-        for fd, offset, view in self._moves(t, values):
-            done = 0
-            while done < len(view):
-                done += os.pwritev(fd, [view[done:]], offset + done)
-        fd = self._fds[self.path_of(t)]
-        os.fdatasync(fd)  # clean pages: DONTNEED drops them (dirty ones it would only start writing)
+        try:
+            for fd, offset, view in self._moves(t, values):
+                done = 0
+                while done < len(view):
+                    done += os.pwritev(fd, [view[done:]], offset + done)
+            fd = self._fds[self.path_of(t)]
+            os.fdatasync(fd)  # clean pages: DONTNEED drops them (dirty ones it would only start writing)
+        except OSError as e:
+            raise _disk_error(e, "writing", self.path_of(t)) from None
         start = t.storage_offset() * t.element_size()
         os.posix_fadvise(fd, start, t.numel() * t.element_size(), os.POSIX_FADV_DONTNEED)
         self._count("written", t.numel() * t.element_size())
