@@ -509,6 +509,8 @@ def test_a_cpu_plan_for_bf16_experts_says_their_kernels_grow_the_process():
     cpu, gpu = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in " ".join(cpu_notes(moe, cpu, "bf16"))
     assert cpu_notes(moe, cpu, "fp32") == cpu_notes(dense, cpu, "bf16") == cpu_notes(moe, gpu, "bf16") == []
+    assert "DTensor" in " ".join(cpu_notes(dense, cpu, "fp32", mp=2))
+    assert cpu_notes(dense, gpu, "bf16", 2) == []
 
 
 def test_where_nothing_fits_nvme_is_suggested_with_the_disk_it_needs():

@@ -330,7 +330,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(table(shape, hw, line, plans, batch, args, changes, verified))
     if why_mp_1 and not args.mp:
         print(f"mp 1 only: {why_mp_1}")
-    for note in cpu_notes(shape, hw, args.precision):
+    for note in cpu_notes(shape, hw, args.precision, args.mp or 1):
         print(f"note: {note}")
     if args.write:
         print(f"did not write {args.write}: {unwritten}" if unwritten else
@@ -357,18 +357,25 @@ def _machine_flags(hw) -> str | None:
             f"--host-mem {hw.host_bytes / 1e9:.0f}")
 
 
-def cpu_notes(shape, hw, precision: str) -> list[str]:
-    """What a CPU run meets that no peak in the table counts. bf16 matmuls on a CPU go through
+def cpu_notes(shape, hw, precision: str, mp: int = 1) -> list[str]:
+    """What a CPU run meets that the table does not count. bf16 matmuls on a CPU go through
     oneDNN, which keeps a kernel (and its buffers) for every new shape, up to 1024 of them; a mixture
     of experts sends each expert a different number of tokens every step, so its matmuls keep
     meeting new shapes and the process grows step after step until the cache is full. fp32 takes
-    another path and does not grow."""
-    if hw.device != "cpu" or precision != "bf16" or not shape.experts[0]:
+    another path and does not grow. And MP's DTensor work per op, which no calibration measures."""
+    if hw.device != "cpu":
         return []
-    return ["bf16 on a CPU with a mixture of experts: oneDNN keeps a kernel for each new matmul shape "
-            "(up to 1024) and the experts' batches change shape every step, so RSS grows over the steps "
-            "beyond these peaks; fp32 does not, and ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 "
-            "LRU_CACHE_CAPACITY=64 bound it at a slower step (docs/plan.md, Known limits)"]
+    notes = []
+    if precision == "bf16" and shape.experts[0]:
+        notes.append("bf16 on a CPU with a mixture of experts: oneDNN keeps a kernel for each new matmul "
+                     "shape (up to 1024) and the experts' batches change shape every step, so RSS grows over "
+                     "the steps beyond these peaks; fp32 does not, and ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 "
+                     "LRU_CACHE_CAPACITY=64 bound it at a slower step (docs/plan.md, Known limits)")
+    if mp > 1:
+        notes.append(f"mp {mp} on a CPU: the step counts MP's all-reduces but not DTensor's own work per op, "
+                     f"which no calibration measures; such steps have measured several times the "
+                     f"prediction (--verify measures it)")
+    return notes
 
 
 def train_command(args: argparse.Namespace, best, hw) -> str:

@@ -174,22 +174,14 @@ def step_time(shape: Shape, setup: Setup, nproc: int, rates: Rates) -> StepTime:
     compute = s.accumulation * compute_time(shape, s, rates) + rates.engine_per_param * shape.psi / s.mp
     dp_comm = dp_comm_time(shape, s, nproc, rates)
     tokens = s.micro_batch * s.seq
-    mp_comm = (
-        0.0
-        if s.mp == 1
-        else s.accumulation
-        * shape.layers
-        * 4
-        * 2
-        * (s.mp - 1)
-        / s.mp
-        * tokens
-        * shape.width
-        * pb
-        / rates.mp_collective
-    )
-    if s.checkpointing:  # the recomputed forward repeats its two all-reduces per layer
-        mp_comm *= 1.5
+    # Megatron's four all-reduces of a layer's activations per micro-batch (the recomputed forward
+    # repeats its two), each at the measured rate where the collectives were measured (gloo on a
+    # CPU group: MP's ranks are its ranks), else in a ring within the node, and each with its latency
+    # (small, many and in series: on gloo, most of their time)
+    mp_calls = 0.0 if s.mp == 1 else s.accumulation * shape.layers * 4 * (1.5 if s.checkpointing else 1)
+    within = rates if rates.all_reduce else replace(rates, collective=rates.mp_collective)
+    activation = tokens * shape.width * pb
+    mp_comm = mp_calls * (collective_time("all_reduce", activation, s.mp, within) + rates.latency)
     comm = dp_comm + mp_comm
     owned = sum(sh if s.stage >= 1 else p for p, sh in shards(shape, s.mp, s.shard_degree(nproc)))
     off_opt = s.offload_optimizer != "none" and s.stage >= 1
