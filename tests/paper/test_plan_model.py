@@ -533,3 +533,15 @@ def test_where_nothing_fits_nvme_is_suggested_with_the_disk_it_needs():
     changes = smallest_change(big, tight, 2, 128, "bf16", [1], machine_flags=None)
     assert changes[0].startswith("nvme offload (give --nvme-path, a directory on a fast local disk with ")
     assert any(c.startswith("more machines like this one: 2 (4 ranks)") for c in changes), changes
+
+
+def test_mics_and_hpz_are_weighed_only_with_several_gpus_a_node():
+    """Within a node of one GPU there is nothing to shard over: MiCS 1 would be a full copy per rank
+    (DDP), listed once as if it were a choice."""
+    from zeroshard.paper.plan import Hardware, plan
+
+    for per_node, expected in ((1, False), (2, True)):
+        hw = Hardware(nodes=2, per_node=per_node, device_bytes=80e9, host_bytes=1e12, disk_bytes=0.0,
+                      rates=RATES)
+        names = [p.setup.name for p in plan(SHAPE, hw, 8, 64, "bf16", [1])]
+        assert any("MiCS" in n or "hpZ" in n for n in names) is expected, names

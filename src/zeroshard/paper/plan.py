@@ -138,8 +138,10 @@ def setups(
 
 def _within_nodes(s: Setup, hw: Hardware) -> list[Setup]:
     """Across nodes (mp 1, no offload): MiCS sharding within a node (stages 1-3) and ZeRO++'s hpZ
-    partition within a node (stage 3), each keeping most of the traffic off the slower link."""
-    if hw.nodes == 1 or s.mp != 1 or s.offload_optimizer != "none" or s.offload_param != "none":
+    partition within a node (stage 3), each keeping most of the traffic off the slower link. With
+    one GPU a node there is nothing within it: a group of one is a full copy per rank (DDP)."""
+    if hw.nodes == 1 or hw.per_node == 1 or s.mp != 1 or s.offload_optimizer != "none" or \
+            s.offload_param != "none":
         return []
     out = [replace(s, mics=hw.per_node)] if s.stage >= 1 else []
     return out + ([replace(s, hpz=hw.per_node)] if s.stage == 3 else [])
