@@ -219,9 +219,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
     another = [f"--{n.replace('_', '-')}" for n in _ANOTHER_MACHINE if getattr(args, n) is not None]
     local = not another
     if args.nvme_path is not None and local:  # (another machine's path is written, not used, here)
-        path = args.nvme_path
-        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-            parser.error(f"--nvme-path {path}: not a writable directory")
+        if not _writable_dir(args.nvme_path):
+            parser.error(f"--nvme-path {args.nvme_path}: not a writable directory")
     for given, why in (
         (args.verify or args.verify_top, "--verify runs here: it cannot check a plan for another machine"),
         (args.nproc, "--nproc counts this machine's ranks (another's are --nodes x --gpus-per-node)"),
@@ -240,6 +239,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             parser.error(f"--write {args.write}: '{folder}' is not a writable directory")
     return local
+
+
+def _writable_dir(path: str) -> bool:
+    """A file can be made there (os.access says yes to root on /proc)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
 
 
 # the flags that describe another machine (with the rates': any one of them plans for another)
@@ -332,6 +342,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"mp 1 only: {why_mp_1}")
     for note in cpu_notes(shape, hw, args.precision, args.mp or 1):
         print(f"note: {note}")
+    if (args.verify or args.verify_top) and not best:
+        print("nothing verified: nothing fits")
     if args.write:
         print(f"did not write {args.write}: {unwritten}" if unwritten else
               f"wrote the best configuration to {args.write}; {train_command(args, best, hw)}")
