@@ -274,7 +274,7 @@ def test_bad_input_refused_by_name(tmp_path):
         (["--model", "tiny", "--nodes", "-1"], "--nodes must be"),
         (["--model", "tiny", "--nodes", "1", "--link-gbps", "nan"], "--link-gbps must be"),
         (["--model", "tiny", "--nvme-path", str(tmp_path / "nowhere")], "not a writable directory"),
-        (["--model", "tiny", "--nvme-path", "/proc"], "not a writable directory"),  # (root: os.access says yes)
+        (["--model", "tiny", "--nvme-path", "/proc"], "not a writable directory"),  # (os.access: yes to root)
         (
             ["--model", "tiny", "--nodes", "1", "--write", str(tmp_path / "no" / "ds.json")],
             "not a writable directory",
