@@ -132,11 +132,11 @@ class GradientReducer:
                 self.phase is CyclePhase.ACCUMULATING:
             self._set_phase(CyclePhase.REDUCING)
 
-    def backward_failed(self) -> None:
+    def backward_failed(self, wait: bool = True) -> None:
         """engine.backward raised part-way: the reductions it issued are waited for (nothing writes
         into a buffer after the engine drops the cycle's gradients), and the next backward reduces
         from the first group again. Gradients arriving from now on come from a plain backward."""
-        for flat in self.flats:
+        for flat in self.flats if wait else []:
             flat.wait_reduce()
         self.cursor = BackwardCursor(ends_cycle=self.cursor.ends_cycle)
 

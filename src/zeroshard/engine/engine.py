@@ -23,7 +23,7 @@ from ..comm.collectives import Comm
 from ..comm.diagnosis import WRITE_GATE
 from ..comm.devices import check_placement, group_device, move_buffers
 from ..comm.topology import check_mics, read_topology
-from ..comm.watch import Watch
+from ..comm.watch import DivergenceError, Watch
 from ..comm.zeropp import build_zeropp
 from ..common.states import move
 from ..config import Config
@@ -259,10 +259,16 @@ class Engine(EngineState, EngineCompat):
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         try:
             (loss * factor if factor != 1.0 else loss).backward()
-        except BaseException:  # (the same on every rank that raised: it issues no collective)
+        except BaseException as e:
             self._set_state(TrainingState.IDLE)
-            self.reducer.backward_failed()
-            self._drop_cycle()
+            if isinstance(e, Exception) and not isinstance(e, (DivergenceError, dist.DistError)):
+                # the user's error (a loop may catch it and go on): the reductions this backward
+                # began are waited for, and its cycle dropped. Not where the group itself failed
+                # (nothing will train on, and a wait would meet the failure again), nor on Ctrl-C.
+                self.reducer.backward_failed()
+                self._drop_cycle()
+            else:
+                self.reducer.backward_failed(wait=False)
             raise
         try:
             self._finish_backward()
