@@ -346,6 +346,32 @@ def test_auto_takes_training_arguments(tmp_path, keep_rng):
                                                               "gradient_clipping": 0.5}
 
 
+def test_optimizer_keys_left_out_take_training_arguments_and_a_misspelt_auto_is_named(tmp_path, keep_rng):
+    """As "auto" does (docs/huggingface.md): an "optimizer" section without lr or weight_decay trains
+    at TrainingArguments' (before, at torch's 1e-3 and no decay); the keys its type does not take
+    (SGD's betas) are not added. An "auto" under a misspelt key is refused by name, as any other
+    value there is (before, it was dropped with the placeholders: weight decay silently off)."""
+    def params(section, **overrides):
+        config = {"zero_optimization": {"stage": 2}, "optimizer": section}
+        return _trainer(tmp_path, config, learning_rate=5e-3, weight_decay=0.1,
+                        **overrides)._engine_config["optimizer"]["params"]
+
+    assert params({"type": "AdamW"}) == {"lr": 5e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+    assert params({"type": "SGD", "params": {"momentum": 0.9}}) == {"momentum": 0.9, "lr": 5e-3,
+                                                                    "weight_decay": 0.1}
+    for config, named in [
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto", "wieght_decay": "auto"}}},
+         "'optimizer.params.wieght_decay' .\"auto\" is filled only for these.; did you mean "
+         "'optimizer.params.weight_decay'"),
+        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_sise": "auto"}},
+         "'zero_optimization.stage3_prefetch_bucket_sise'; did you mean"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": "auto"}}},
+         "'scheduler.params.warmup_num_step' .\"auto\" is filled only for these.; did you mean"),
+    ]:
+        with pytest.raises(zeroshard.ConfigError, match=named):
+            _trainer(tmp_path, {"zero_optimization": {"stage": 3}, **config})
+
+
 def test_an_optimizer_section_warns_only_over_an_optim_the_user_chose(tmp_path, keep_rng):
     """TrainingArguments' default optim is no choice of the user's: the section replaces it quietly."""
     import dataclasses
@@ -360,6 +386,9 @@ def test_an_optimizer_section_warns_only_over_an_optim_the_user_chose(tmp_path, 
     assert not [w for w in caught if "is ignored" in str(w.message)]
     with pytest.warns(UserWarning, match="optim='sgd' is ignored"):
         _trainer(tmp_path, section, optim="sgd")
+    scheduled = {"zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR"}}  # so does a schedule
+    with pytest.warns(UserWarning, match="lr_scheduler_type='cosine' is ignored"):
+        _trainer(tmp_path, scheduled, lr_scheduler_type="cosine")
 
 
 def test_auto_stage_is_refused(tmp_path, keep_rng):
@@ -410,6 +439,8 @@ def test_a_checkpoint_without_zeroshard_state_is_refused(tmp_path, keep_rng):
     other.mkdir()
     with pytest.raises(ValueError, match="holds no zeroshard state"):
         _trainer(tmp_path, SEED_CONFIG).train(resume_from_checkpoint=str(other))
+    with pytest.raises(ValueError, match="checkpoint-9' does not exist"):
+        _trainer(tmp_path, SEED_CONFIG).train(resume_from_checkpoint=str(tmp_path / "checkpoint-9"))
 
 
 def test_a_deepspeed_scheduler_section_runs_as_in_deepspeed(tmp_path, keep_rng, own_group):

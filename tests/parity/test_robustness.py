@@ -257,6 +257,13 @@ def test_silent_mistakes_are_refused(one_process_group, tmp_path):
     if hasattr(torch.optim, "Adafactor"):
         with pytest.raises(zeroshard.ConfigError, match="Adafactor updates each parameter from"):
             zeroshard.initialize(nn.Linear(4, 4), lambda p: torch.optim.Adafactor(p))
+    try:  # transformers' own (what Trainer's optim="adafactor" builds), by its class name
+        from transformers.optimization import Adafactor
+    except ImportError:
+        Adafactor = None
+    if Adafactor is not None:
+        with pytest.raises(zeroshard.ConfigError, match="Adafactor updates each parameter from"):
+            zeroshard.initialize(nn.Linear(4, 4), lambda p: Adafactor(p, lr=1e-3, relative_step=False))
     # A stray step() (an accumulation loop off by one): torch's would not move a parameter without
     # a gradient; ZeRO's zero gradients would take weight decay. Refused, nothing changed; after a
     # backward the same engine steps.

@@ -55,6 +55,12 @@ _WARN_S = 10.0        # a gate (once) or a collective (once a wait) waited this 
 _instances = 0        # engines created in this process, in the same order on every rank
 
 
+# What a gate's message adds for its call: how the call is shared out (a save's files on rank 0 alone)
+_AFTER = {"full_state_dict()": ", then write files on rank 0 alone",
+          "save_checkpoint()": " (each rank writes its own shards)",
+          "generate()": " (or generate on rank 0 alone inside `with engine.gathered_parameters():`)"}
+
+
 class DivergenceError(RuntimeError):
     """Ranks issued different collectives (or one stalled): the message names the first difference."""
 
@@ -250,17 +256,17 @@ class Watch:
             absent = self._unset(keys)
             if (gone := exited_peers(self, absent)) and self._unset(keys):
                 raise self.diagnose(f"{call} is collective, and rank(s) {gone} exited without calling it: "
-                                    f"call it on every rank, then write files on rank 0 alone")
+                                    f"call it on every rank{_AFTER.get(call, '')}")
             waited = time.monotonic() - start
             if waited >= self.timeout:
                 raise self.diagnose(f"{call} is collective, and not every rank entered it within "
                                     f"{self.timeout:g} s (zeroshard.collective_timeout)")
             if waited >= _WARN_S and not self.gate_warned:
                 self.gate_warned = True
-                logger.warning("rank %d has waited %.0f s in %s for rank(s) %s: it is collective (so are "
-                               "the saves that call it), so every rank must call it, not only rank 0; if "
-                               "they do not, this ends at zeroshard.collective_timeout (%g s)", self.rank,
-                               waited, call, absent, self.timeout)
+                logger.warning("rank %d has waited %.0f s in %s for rank(s) %s: it is collective, so "
+                               "every rank must call it, not only rank 0%s; if they do not, this ends at "
+                               "zeroshard.collective_timeout (%g s)", self.rank, waited, call, absent,
+                               _AFTER.get(call, ""), self.timeout)
         if self.gates > 1:  # every rank has passed the previous gate: each has set this one's key
             self.store.delete_key(f"{self.prefix}gate/{self.gates - 1}/{self.rank}")
         if self.store.get(keys[0]) != token:

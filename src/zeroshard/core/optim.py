@@ -18,9 +18,11 @@ from ..config import Config, ConfigError
 logger = logging.getLogger("zeroshard")
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
-# Optimizers whose update of an element depends on the whole tensor: they cannot run on shards.
-_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name, None)
-                         for name in ("Adafactor", "Muon", "LBFGS", "SparseAdam"))
+# Optimizers whose update of an element depends on the whole tensor (its shape, norm, factored or
+# preconditioning statistics): they cannot run on shards. By class name, torch's and others' alike
+# (transformers' Adafactor, bitsandbytes' LAMB and LARS), through subclasses too.
+_NOT_ELEMENTWISE = {"Adafactor", "Muon", "LBFGS", "SparseAdam", "LAMB", "Lamb", "LARS", "Lars", "Shampoo",
+                    "SOAP"}
 
 
 _SLOW_WARNED: set[str] = set()
@@ -134,7 +136,7 @@ def build_optimizer(spec: OptimizerSpec, config: Config, groups: list[dict],
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"the optimizer callable returned {type(optimizer).__name__}, "
                         f"not a torch.optim.Optimizer")
-    whole_tensor = [c for c in _NOT_ELEMENTWISE if c is not None and isinstance(optimizer, c)]
+    whole_tensor = [c for c in type(optimizer).__mro__ if c.__name__ in _NOT_ELEMENTWISE]
     if whole_tensor:
         raise ConfigError(f"{whole_tensor[0].__name__} updates each parameter from properties of the whole "
                           f"tensor (its shape, norm or factored statistics); over ZeRO's flat shards "

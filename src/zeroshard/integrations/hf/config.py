@@ -17,6 +17,7 @@ import warnings
 from typing import Any, Callable
 
 from ...config import Config, ConfigError
+from ...config.sections import unknown_key
 
 # zero_config key -> (what TrainingArguments calls it, its value there)
 _SHARED: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -60,6 +61,7 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
                    custom_optimizer: bool = False) -> dict[str, Any]:
     """The config ZeroTrainer gives initialize(): `source` with TrainingArguments filled in."""
     raw = _load(source)
+    _refuse_unknown_auto(raw, "")
     checked = copy.deepcopy(raw)
     checked.pop("scheduler", None)  # (checked by fill_scheduler)
     _drop_auto(checked, "")
@@ -86,6 +88,9 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
     optim = getattr(args.optim, "value", args.optim)
     if isinstance(cfg.get("optimizer"), dict):
         params = cfg["optimizer"].get("params")
+        for key in _optimizer_keys(cfg["optimizer"]) if isinstance(params, dict) or params is None else []:
+            params = cfg["optimizer"].setdefault("params", {})  # left out: TrainingArguments' (as "auto")
+            params.setdefault(key, "auto")
         for key, value in list(params.items()) if isinstance(params, dict) else []:
             if key not in _OPTIMIZER_AUTO:
                 continue
@@ -94,7 +99,7 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
             elif _listed(value) != _listed(_OPTIMIZER_AUTO[key](args)):  # as DeepSpeed's integration
                 raise _contradiction(f"optimizer.params.{key}", value, _OPTIMIZER_NAMES[key],
                                      _OPTIMIZER_AUTO[key](args))
-        if optim != _default_optim(args):  # (the default is no choice of the user's to ignore)
+        if optim != _default_of(args, "optim"):  # (the default is no choice of the user's to ignore)
             warnings.warn(f"zero_config's \"optimizer\" section ({cfg['optimizer'].get('type')}) is used, "
                           f"and TrainingArguments.optim={optim!r} is ignored (its params are "
                           f"TrainingArguments' learning_rate, adam_* and weight_decay, \"auto\" or equal)",
@@ -104,6 +109,11 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
                           f"flat shards; use one of {', '.join(TORCH_OPTIMS)}, an \"optimizer\" section in "
                           f"zero_config, or optimizer_cls_and_kwargs=(an elementwise optimizer, kwargs)")
     schedule = cfg.pop("scheduler", None)  # Trainer steps it, once it knows the steps (fill_scheduler)
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if schedule is not None and kind != _default_of(args, "lr_scheduler_type"):
+        warnings.warn(f"zero_config's \"scheduler\" section ({schedule.get('type')}) is used, and "
+                      f"TrainingArguments.lr_scheduler_type={kind!r} is ignored (remove the section to "
+                      f"use it)", UserWarning, stacklevel=3)
     _drop_auto(cfg, "")
     if schedule is not None:  # refused now, not at the first training step (the steps come later)
         fill_scheduler(schedule, args, steps=None)
@@ -144,9 +154,9 @@ def fill_scheduler(section: Any, args: Any, steps: int | None) -> Any:
     return Config.load({"scheduler": section}).scheduler
 
 
-def _default_optim(args: Any) -> Any:
-    """TrainingArguments' own default for `optim` (adamw_torch_fused in recent transformers)."""
-    field = getattr(type(args), "__dataclass_fields__", {}).get("optim")
+def _default_of(args: Any, name: str) -> Any:
+    """TrainingArguments' own default for `name` (optim: adamw_torch_fused in recent transformers)."""
+    field = getattr(type(args), "__dataclass_fields__", {}).get(name)
     default = getattr(field, "default", None)
     return getattr(default, "value", default)
 
@@ -186,6 +196,50 @@ def _get(raw: dict[str, Any], key: str) -> Any:
     section, _, leaf = key.rpartition(".")
     holder = raw.get(section) if section else raw
     return holder.get(leaf) if isinstance(holder, dict) else None
+
+
+def _optimizer_keys(section: dict) -> list[str]:
+    """The keys of _OPTIMIZER_AUTO the section's optimizer takes (SGD: lr and weight_decay)."""
+    import inspect
+
+    from ...config.sections import OPTIMIZERS
+
+    cls = OPTIMIZERS.get(str(section.get("type", "")).lower())
+    taken = inspect.signature(cls).parameters if cls is not None else {}
+    return [key for key in _OPTIMIZER_AUTO if key in taken]
+
+
+class _Probe:
+    """A value no key takes: loading it shows whether a key is known (a type error) or not."""
+
+
+def _refuse_unknown_auto(cfg: Any, prefix: str) -> None:
+    """An "auto" under a key nothing reads (a typo) is refused by name, as any other value is:
+    dropped with the placeholders, a misspelt "wieght_decay" would silently leave weight decay off."""
+    for key, value in cfg.items() if isinstance(cfg, dict) else []:
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _refuse_unknown_auto(value, f"{name}.")
+        elif not _is_auto(value) or name in _SHARED or name == "zeroshard.unit_modules":
+            continue
+        elif prefix in ("optimizer.params.", "scheduler.params."):
+            filled = _OPTIMIZER_AUTO if prefix.startswith("optimizer") else _SCHEDULER_AUTO
+            if key not in filled:
+                raise unknown_key(name, filled, " (\"auto\" is filled only for these)")
+        else:
+            *path, last = name.split(".")
+            probe: dict = {}
+            parent = probe
+            for part in path:
+                parent = parent.setdefault(part, {})
+            parent[last] = _Probe()
+            try:
+                Config.load(probe)
+            except ConfigError as e:
+                if str(e).startswith("unknown config key"):
+                    raise
+            except Exception:  # noqa: BLE001 - a known key refusing the probe's type
+                pass
 
 
 def _is_auto(value: Any) -> bool:

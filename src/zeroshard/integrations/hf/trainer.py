@@ -192,6 +192,9 @@ class ZeroTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         """Weights come with the engine's state, once the engine exists (_load_optimizer_and_scheduler)."""
+        if not os.path.isdir(resume_from_checkpoint):
+            raise ValueError(f"resume_from_checkpoint: '{resume_from_checkpoint}' does not exist (give a "
+                             f"checkpoint folder ZeroTrainer saved, or True for the newest in output_dir)")
         if not os.path.isdir(os.path.join(resume_from_checkpoint, _STATE_DIR)):
             raise ValueError(f"'{resume_from_checkpoint}' holds no zeroshard state ('{_STATE_DIR}/'): "
                              f"ZeroTrainer resumes from the checkpoints it saved (without save_only_model)")
