@@ -498,7 +498,7 @@ def test_a_cpu_plan_for_bf16_experts_says_their_kernels_grow_the_process():
     model or a GPU: nothing to say)."""
     from types import SimpleNamespace
 
-    from zeroshard.app.plan import cpu_notes
+    from zeroshard.app.plan_report import cpu_notes
     from zeroshard.paper.plan_shapes import shape_from_hf
 
     llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

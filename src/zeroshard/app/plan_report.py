@@ -1,5 +1,6 @@
-"""What `zeroshard plan` prints: the ranked table (or one JSON object), the config --write writes,
-and the paper's runs projected beside its reported figures."""
+"""What `zeroshard plan` prints: the ranked table (or one JSON object), the config --write writes
+and how to train it, the notes on what a CPU run meets beyond the table, and the paper's runs
+projected beside its reported figures."""
 
 from __future__ import annotations
 
@@ -148,3 +149,52 @@ def paper_text(as_json: bool = False) -> str:
             f"{r['error']:>+7.0%}"
         )
     return "\n".join(lines)
+
+
+def unwritten_why(args, best) -> str:
+    """Why --write writes nothing ("" where it writes)."""
+    if best is None:
+        return "nothing fits"
+    nvme = "nvme" in (best.setup.offload_optimizer, best.setup.offload_param)
+    if nvme and not args.nvme_path:
+        return ("the best offloads to nvme: give --nvme-path DIR, the directory on the machine that "
+                "trains, to write it into the config")
+    return ""
+
+
+def cpu_notes(shape, hw, precision: str, mp: int = 1) -> list[str]:
+    """What a CPU run meets that the table does not count. bf16 matmuls on a CPU go through
+    oneDNN, which keeps a kernel (and its buffers) for every new shape, up to 1024 of them; a mixture
+    of experts sends each expert a different number of tokens every step, so its matmuls keep
+    meeting new shapes and the process grows step after step until the cache is full. fp32 takes
+    another path and does not grow. And MP's DTensor work per op, which no calibration measures."""
+    if hw.device != "cpu":
+        return []
+    notes = []
+    if precision == "bf16" and shape.experts[0]:
+        notes.append("bf16 on a CPU with a mixture of experts: oneDNN keeps a kernel for each new matmul "
+                     "shape (up to 1024) and the experts' batches change shape every step, so RSS grows over "
+                     "the steps beyond these peaks; fp32 does not, and ONEDNN_PRIMITIVE_CACHE_CAPACITY=64 "
+                     "LRU_CACHE_CAPACITY=64 bound it at a slower step (docs/plan.md, Known limits)")
+    if mp > 1:
+        notes.append(f"mp {mp} on a CPU: the step counts MP's all-reduces but not DTensor's own work per op, "
+                     f"which no calibration measures; such steps have measured several times the "
+                     f"prediction (--verify measures it)")
+    return notes
+
+
+def train_command(args, best, hw) -> str:
+    """How to train the written config: the `zeroshard train` line that runs it as planned (the
+    model, the ranks, and --tp, which the config file cannot carry: tensor parallelism is the
+    model's split), where zeroshard train can run it: one machine, a model it builds."""
+    if args.params is not None or hw.nodes > 1:
+        where = (f"under torchrun on each of {hw.nodes} nodes (--nnodes {hw.nodes} --nproc-per-node "
+                 f"{hw.per_node})" if hw.nodes > 1 else f"with {hw.ranks} ranks")
+        return (f"give it to zeroshard.initialize(model, config=...) or ZeroTrainer in your script, "
+                f"{where}" + (f", with the model split --tp {best.setup.mp}" if best.setup.mp > 1 else ""))
+    model = (f"--hf-config {args.hf_config}" if args.hf_config else
+             f"--size {args.model or 'small'}" + "".join(f" --{k} {v}" for k in ("layers", "width")
+                                                          if (v := getattr(args, k)) is not None))
+    tp = f" --tp {best.setup.mp}" if best.setup.mp > 1 else ""
+    return f"train it with: zeroshard train --config {args.write} {model} --seq-len {args.seq_len}{tp} " \
+           f"--nproc {hw.per_node}"
