@@ -395,3 +395,20 @@ def test_consolidate_gives_what_full_state_dict_gives_in_bf16(one_process_group,
     full, weights = engine.full_state_dict(), zeroshard.consolidate(str(tmp_path))
     assert list(weights) == list(full) and weights["scale"].dtype == torch.float32
     assert all(weights[k].dtype == v.dtype and torch.equal(weights[k], v) for k, v in full.items())
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_save_with_gradients_not_yet_stepped_is_refused(one_process_group, tmp_path, accumulation):
+    """A checkpoint holds no gradients: a save after a backward and before the step() that ends its
+    cycle would lose them (before, a backward then a save went through whenever no step() had come
+    between: the resumed cycle was missing that micro-batch, or its step() found no backward)."""
+    engine = _engine(2, seed=0, gradient_accumulation_steps=accumulation)
+    x, y = batches(1, 2)[0]
+    refused = "save_checkpoint.. in the middle of gradient accumulation"
+    for _ in range(accumulation):
+        engine.backward(loss_fn(engine(x), y))
+        with pytest.raises(RuntimeError, match=refused):
+            engine.save_checkpoint(str(tmp_path))
+        engine.step()
+    assert engine.global_steps == 1
+    engine.save_checkpoint(str(tmp_path))  # the cycle ended: nothing pending

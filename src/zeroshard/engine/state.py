@@ -39,9 +39,10 @@ class EngineState:
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
         """Collective. Each rank writes only what it owns; the checkpoint loads at any world size
         and stage. Returns its path; `save_dir/latest` names it once every rank is done."""
-        if self.micro_steps % self.config.gradient_accumulation_steps:
-            raise RuntimeError("save_checkpoint() in the middle of gradient accumulation would lose the "
-                               "accumulated gradients; save after the step() that ends the cycle")
+        if self.micro_steps % self.config.gradient_accumulation_steps or self.reducer.saw_backward:
+            raise RuntimeError("save_checkpoint() in the middle of gradient accumulation (a step() or a "
+                               "backward() since the last update) would lose the accumulated gradients; "
+                               "save after the step() that ends the cycle")
         tag = checkpoint_save.check_tag(f"step{self.global_steps}" if tag is None else tag)
         # the ranks meet first (comm/watch.gate): a save on some ranks only, or on one that skipped a
         # step while its peer stalls in it, is named, never left to pair its writes' collectives
