@@ -349,7 +349,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
               f"wrote the best configuration to {args.write}; {train_command(args, best, hw)}")
 
 
-
 def _machine_flags(hw) -> str | None:
     """This machine as --nodes' companions: a suggestion of more nodes then plans more of these,
     not of another machine's defaults. None for a CPU group (another machine's flags plan GPUs)."""

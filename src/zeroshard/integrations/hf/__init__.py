@@ -8,6 +8,7 @@ import it; `zeroshard.hf.ZeroTrainer` does, on first use.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
@@ -51,7 +52,7 @@ def causal_lm_from_config(path: str, seq_len: int, device: str | torch.device | 
     # fp32 weights whatever the file's dtype (real configs say "bfloat16"): --precision decides what
     # the model computes in, and the masters start from full-precision initial values.
     try:
-        with torch.device(device) if device is not None else _nothing():
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
@@ -60,11 +61,6 @@ def causal_lm_from_config(path: str, seq_len: int, device: str | torch.device | 
                          f"transformers (an encoder-decoder): train a decoder-only model") from None
     _refuse_bidirectional(model, file)
     return model
-
-
-def _nothing():
-    import contextlib
-    return contextlib.nullcontext()
 
 
 def _refuse_bidirectional(model: nn.Module, file: str) -> None:

@@ -87,10 +87,11 @@ def resolve_config(source: "dict | str | os.PathLike | Config | None", args: Any
             cfg[precision] = {**section, "enabled": bool(getattr(args, precision))}
     optim = getattr(args.optim, "value", args.optim)
     if isinstance(cfg.get("optimizer"), dict):
-        params = cfg["optimizer"].get("params")
-        for key in _optimizer_keys(cfg["optimizer"]) if isinstance(params, dict) or params is None else []:
-            params = cfg["optimizer"].setdefault("params", {})  # left out: TrainingArguments' (as "auto")
-            params.setdefault(key, "auto")
+        if cfg["optimizer"].get("params") is None:  # (absent, or null)
+            cfg["optimizer"]["params"] = {}
+        params = cfg["optimizer"]["params"]
+        for key in _optimizer_keys(cfg["optimizer"]) if isinstance(params, dict) else []:
+            params.setdefault(key, "auto")  # left out: TrainingArguments' value, as "auto" takes
         for key, value in list(params.items()) if isinstance(params, dict) else []:
             if key not in _OPTIMIZER_AUTO:
                 continue
