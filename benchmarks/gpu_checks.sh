@@ -7,6 +7,9 @@
 #
 #     bash benchmarks/gpu_checks.sh [OUT_DIR]        # DEADLINE_S=470 by default
 #     PARTS="plan_verify default_run" DEADLINE_S=240 bash benchmarks/gpu_checks.sh   # some parts
+#
+# The parts together outlast one 10-minute call (benchmarks/README.md gives their times): on a short
+# lease run PARTS="plan_verify offload", then PARTS=pytest_cuda at once, on the still-warm machine.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/out/gpu_checks}
@@ -35,12 +38,12 @@ part() {  # part NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S (and n
 # the console script the first-hour test runs (no network: no build isolation, no dependencies)
 "$py" -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || echo "install failed"
 run_dir=$(mktemp -d)
-for name in ${PARTS:-plan_verify pytest_cuda offload}; do
+for name in ${PARTS:-plan_verify offload pytest_cuda}; do
     case $name in
     plan_verify) part plan_verify 240 "$py" benchmarks/plan_verify.py --gpu --steps 4 \
         --json "$out/plan_verify.json" ;;
     default_run) part default_run 120 bash -c "cd $run_dir && $py -m zeroshard train --nproc 1" ;;
-    pytest_cuda) part pytest_cuda 360 "$py" -m pytest -q -p no:cacheprovider -m cuda --durations=8 tests ;;
+    pytest_cuda) part pytest_cuda 480 "$py" -m pytest -v -p no:cacheprovider -m cuda --durations=8 tests ;;
     offload) part offload 180 "$py" benchmarks/offload.py --rounds 1 --warmup 2 --steps 4 \
         --impls zeroshard_3_offload fsdp2_offload zeroshard_3_offload_params zeroshard_3_offload_sequential
         cp benchmarks/out/offload.md benchmarks/out/offload.json "$out/" 2>/dev/null ;;

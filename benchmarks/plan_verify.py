@@ -112,7 +112,19 @@ def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -
     setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, seq)
     plan = weigh(shape, setup, hw)
     result = verify(cli, shape, hw, [plan], micro * acc * nproc)[0]
-    return {"model": model, **result}
+    # the calibration as measured (its block timings and fit too), to refit a miss from the JSON alone
+    import torch
+
+    figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available())
+    return {"model": model, **result, "calibration": figures}
+
+
+def time_parts(row: dict) -> str:
+    """The predicted step's parts and the calibration's fit, for a step that missed."""
+    t, c = row["predicted_time"], row["calibration"]
+    fit = f", the block fit's worst shape {c['fit_worst']:.0%} off" if "fit_worst" in c else ""
+    return (f"        predicted: compute {t['compute']:.3f} s, comm {t['comm']:.3f} s, optimizer "
+            f"{t['optimizer']:.3f} s (matmul {c['matmul'] / 1e12:.3g} TFLOP/s{fit})")
 
 
 def top_three(nproc: int, steps: int, folder: str, rounds: int) -> None:
@@ -172,6 +184,7 @@ def main() -> None:
                   + (f"   host {predicted['host_peak_bytes'] / MIB:7.1f} / "
                      f"{measured['host_peak_bytes'] / MIB:7.1f} MiB" if key == "device_peak_bytes" else ""),
                   flush=True)
+            print(time_parts(row), flush=True)
     peaks = [abs(ratio(r, peak_key(r)) - 1) for r in rows]
     steps = [abs(ratio(r, "step_s") - 1) for r in rows]
     print(f"\n{len(rows)} configurations: peak within 10% for {sum(e <= 0.10 for e in peaks)}, "

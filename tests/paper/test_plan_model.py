@@ -97,14 +97,25 @@ def test_checkpointing_grows_the_blocks_work_by_the_measured_recompute_and_not_t
 
 def test_the_calibration_measures_what_a_recompute_adds_to_a_block():
     """block_rates times the block checkpointed beside plain: a recompute runs the forward again, so
-    it adds more than nothing and less than a whole forward and backward; Rates carry the share."""
+    it adds more than nothing and less than a whole forward and backward; Rates carry the share.
+    Each shape's measured and fitted time is kept, the fit's terms at the fitted rates, so that a
+    miss elsewhere can be refitted from the cache."""
     import torch
 
-    from zeroshard.app.plan_calibrate import block_rates
+    from zeroshard.app.plan_calibrate import CPU_SHAPES, SEQ, block_rates, block_terms
     from zeroshard.app.plan_hw import rates_of
 
     figures = block_rates(torch.float32, "cpu", lambda: None)
     assert 0.05 < figures["recompute"] < 1.0, figures
+    assert [b[:2] for b in figures["blocks"]] == [list(s) for s in CPU_SHAPES]
+    for width, tokens, measured, fitted in figures["blocks"]:
+        once, flops, elements, params = block_terms(width, tokens, SEQ["cpu"])
+        rated = [(elements, figures["elementwise"]), (params, figures["weights"])]
+        expected = once * figures["layer_fixed"] + flops / figures["matmul"]
+        expected += sum(n / r for n, r in rated if r)
+        assert fitted == pytest.approx(expected) and measured > 0
+    misses = [abs(f / m - 1) for _, _, m, f in figures["blocks"]]
+    assert figures["fit_worst"] == pytest.approx(max(misses))
     full = {**figures, "memory": 1e10, "host_adam": 1e9, "disk_read": 1e9, "disk_write": 1e9}
     assert rates_of(full, cuda=False).recompute == figures["recompute"]
 

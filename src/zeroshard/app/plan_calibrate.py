@@ -99,7 +99,9 @@ def matmul_rate(dtype, device: str, sync) -> float:
 def block_rates(dtype, device: str, sync) -> dict:
     """matmul (flop/s, one large product), then fitted over a block's forward and backward at six
     shapes: layer_fixed (s), elementwise (elements/s), weights (parameters/s); and recompute, the
-    share a checkpointed block's recompute adds to its forward and backward."""
+    share a checkpointed block's recompute adds to its forward and backward. `blocks` keeps each
+    shape's (width, tokens, measured s, fitted s) and `fit_worst` the largest relative miss, so a
+    prediction gone wrong on another machine can be refitted from the cache alone."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -119,9 +121,13 @@ def block_rates(dtype, device: str, sync) -> dict:
         rows.append([once, elements, params])
         shares.append(rerun / plain - 1)
     c = fit(rows, seconds, matmuls)
+    fitted = [m + sum(k * x for k, x in zip(c, r)) for m, r in zip(matmuls, rows)]
     inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
+    shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
     return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1],
-            "recompute": max(statistics.median(shares), 0.0)}
+            "recompute": max(statistics.median(shares), 0.0),
+            "blocks": [[w, t, s, f] for (w, t), s, f in zip(shapes, seconds, fitted)],
+            "fit_worst": max(abs(f / s - 1) for s, f in zip(seconds, fitted))}
 
 
 def adam_rate(device: str, fused: bool | None) -> float:

@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import NamedTuple
 
 from zeroshard.paper.plan import Plan
@@ -366,6 +366,8 @@ def verify(cli, shape: Shape, hw, plans: list[Plan], batch: int) -> list[dict]:
                 "measured": measured,
                 "runtime_bytes": p.peak.parts.get("runtime", 0.0),
                 "predicted_parts": p.peak.parts,
+                "predicted_time": asdict(p.time),
+                "rates": asdict(hw.rates),
                 "measured_states": result.get("memory_stats", {}),
                 "host_growth_phases": result.get("rss_growth_phases", {}),
             }
