@@ -556,3 +556,39 @@ def test_mics_and_hpz_are_weighed_only_with_several_gpus_a_node():
                       rates=RATES)
         names = [p.setup.name for p in plan(SHAPE, hw, 8, 64, "bf16", [1])]
         assert any("MiCS" in n or "hpZ" in n for n in names) is expected, names
+
+
+def test_uncalibrated_ties_go_to_fewer_micro_batches_then_less_communication():
+    """For another machine (rates from its figures: no layer's dispatch cost, communication hidden
+    under compute) every micro-batch size takes the same time; the recommendation is then one
+    micro-batch a step, at the stage with the least communication, not stage 3 at micro-batch 1
+    (the least memory), which launches and gathers once per micro-batch."""
+    import argparse
+
+    from zeroshard.app.plan_hw import given_hardware
+    from zeroshard.paper.plan import plan
+
+    hw, _ = given_hardware(argparse.Namespace(nodes=1, gpus_per_node=8, gpu_mem=80.0, host_mem=1000.0))
+    ranked = [p for p in plan(SHAPE, hw, 64, 64, "bf16", [1]) if p.fits]
+    best = ranked[0]
+    tied = [p for p in ranked if abs(p.time.total / best.time.total - 1) < 0.005]
+    assert {p.setup.accumulation for p in tied} > {1}, "no tie to break"
+    assert best.setup.accumulation == 1 and best.setup.stage < 3, best.setup.name
+    assert best.time.comm == min(p.time.comm for p in tied if p.setup.accumulation == 1)
+
+
+def test_a_calibration_whose_block_fit_missed_a_shape_says_step_times_are_less_certain(tmp_path, monkeypatch):
+    """The hardware line of a plan on this machine notes a block fit that missed one of its shapes
+    by more than the step-time target (25%), and stays quiet for a fit within it."""
+    import argparse
+
+    from zeroshard.app import plan, plan_calibrate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    figures = {"matmul": 1e11, "memory": 1e10, "host_adam": 1e9, "disk_read": 1e9, "disk_write": 1e9}
+    args = argparse.Namespace(nproc=2, verify=False, verify_top=None, precision="bf16", nvme_path=None,
+                              recalibrate=True)
+    for worst, noted in ((0.4, True), (0.1, False)):
+        monkeypatch.setattr(plan_calibrate, "measure", lambda *a, w=worst: {**figures, "fit_worst": w})
+        _, line = plan._hardware(None, args, local=True)
+        assert ("missed one of its shapes by 40%" in line) is noted, line

@@ -144,6 +144,7 @@ def shape_of(parser: argparse.ArgumentParser, args: argparse.Namespace, seq: int
 
 
 VERIFY_MAX_AGE = 3600.0  # s: --verify measures older cached rates again
+FIT_WARN = 0.25  # a calibration shape missed by more than this: the step-time target's own bound
 
 
 def _model_name(file: str) -> str:
@@ -172,6 +173,10 @@ def _hardware(parser, args, local: bool):
     hw, line = plan_hw.local_hardware(args.nproc, figures, args.nvme_path)
     line += (" (rates measured now)" if age is None else
              f" (rates from the cache, measured {age / 3600:.1f} h ago; --recalibrate to measure again)")
+    if figures.get("fit_worst", 0.0) > FIT_WARN:  # the block model cannot follow this machine's shapes
+        line += (f"\nnote: the calibration's block fit missed one of its shapes by "
+                 f"{figures['fit_worst']:.0%}: step times are less certain than usual (a busy machine, or "
+                 f"kernels the model does not describe; --recalibrate when it is quiet)")
     return hw, line
 
 

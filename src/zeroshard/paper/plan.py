@@ -180,12 +180,16 @@ def plan(
     mps: list[int] | None = None,
     stages: list[int] | None = None,
 ) -> list[Plan]:
-    """Every configuration weighed: those that fit first, fastest first (ties: least device memory,
-    then host; times within TIE of each other are ties: the model cannot tell them apart); then
-    those that do not, nearest to fitting first."""
+    """Every configuration weighed: those that fit first, fastest first; then those that do not,
+    nearest to fitting first. Times within TIE of each other are ties (the model cannot tell them
+    apart), broken by what it under-counts: fewer micro-batches a step (each has its kernel launches
+    and, at stage 3, its gathers; where uncalibrated, as for another machine, the token work is the
+    same at any micro-batch), then less communication (on a GPU it is hidden under compute, which
+    real overlap only approaches), then the least device memory, then host."""
     plans = [weigh(shape, s, hw) for s in setups(shape, hw, global_batch, seq, precision, mps, stages)]
     fit = sorted((p for p in plans if p.fits),
-                 key=lambda p: (round(math.log(p.time.total) / math.log1p(TIE)), p.peak.device, p.peak.host))
+                 key=lambda p: (round(math.log(p.time.total) / math.log1p(TIE)), p.setup.accumulation,
+                                p.time.comm, p.peak.device, p.peak.host))
     over = sorted(
         (p for p in plans if not p.fits),
         key=lambda p: max(
