@@ -14,6 +14,7 @@ a few rounds, and says whether the recommended one was the fastest by the median
 
     python benchmarks/plan_verify.py --steps 5 --top3    # 15 configurations and a top 3, ~8 min on 2 cores
     python benchmarks/plan_verify.py --only 0 3 --steps 2
+    python benchmarks/plan_verify.py --only --top3 --steps 6   # the top 3 alone
     python benchmarks/plan_verify.py --gpu --steps 4          # one GPU: the 1.1B LLaMA, 3 configurations
 """
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--only", type=int, nargs="*", help="run these cases (indices) only")
+    parser.add_argument("--only", type=int, nargs="*", help="these cases (indices) only; none: --top3 alone")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--top3", action="store_true", help="also run the planner's three best (medium GPT)")
     parser.add_argument("--rounds", type=int, default=3, help="--top3's alternating rounds (default 3)")
@@ -171,7 +172,7 @@ def main() -> None:
 
     gpu = args.gpu or torch.cuda.is_available()
     cases, nproc, seq = (GPU_CASES, 1, 1024) if gpu else (CASES, args.nproc, SEQ)
-    picked = [cases[i] for i in args.only] if args.only else cases
+    picked = [cases[i] for i in args.only] if args.only is not None else cases
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for case in picked:
@@ -187,10 +188,11 @@ def main() -> None:
             print(time_parts(row), flush=True)
     peaks = [abs(ratio(r, peak_key(r)) - 1) for r in rows]
     steps = [abs(ratio(r, "step_s") - 1) for r in rows]
-    print(f"\n{len(rows)} configurations: peak within 10% for {sum(e <= 0.10 for e in peaks)}, "
-          f"median error {statistics.median(peaks):.1%}, worst {max(peaks):.1%}; step within 25% for "
-          f"{sum(e <= 0.25 for e in steps)}, median error {statistics.median(steps):.1%}, "
-          f"worst {max(steps):.1%}")
+    if rows:
+        print(f"\n{len(rows)} configurations: peak within 10% for {sum(e <= 0.10 for e in peaks)}, "
+              f"median error {statistics.median(peaks):.1%}, worst {max(peaks):.1%}; step within 25% for "
+              f"{sum(e <= 0.25 for e in steps)}, median error {statistics.median(steps):.1%}, "
+              f"worst {max(steps):.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
