@@ -12,7 +12,7 @@ the 1.1B LLaMA of offload.py with and without offload. The targets: peaks within
 within 25%. --top3 also runs the planner's three best configurations for one shape, alternately over
 a few rounds, and says whether the recommended one was the fastest by the medians.
 
-    python benchmarks/plan_verify.py --steps 5 --top3    # 15 configurations and a top 3, ~8 min on 2 cores
+    python benchmarks/plan_verify.py --steps 5 --top3    # 15 configurations and a top 3
     python benchmarks/plan_verify.py --only 0 3 --steps 2
     python benchmarks/plan_verify.py --only --top3 --steps 6   # the top 3 alone
     python benchmarks/plan_verify.py --gpu --steps 4          # one GPU: the 1.1B LLaMA, 3 configurations
