@@ -12,7 +12,7 @@ stack up over the steps; released, they are handed back after each step that rai
 the holes within a step remain and the peak can still creep. A fixed threshold keeps buffers above
 it out of the heap, for the page faults of mapping them afresh each time.
 
-    python benchmarks/host_memory.py --steps 12 --rounds 2     # 5 configurations, ~11 min on 2 cores
+    python benchmarks/host_memory.py --steps 12 --rounds 2     # 5 configurations
 """
 from __future__ import annotations
 

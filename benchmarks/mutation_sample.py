@@ -2,7 +2,7 @@
 that run the mutated line.
 
     pip install -e ".[mutation]"                        # cosmic-ray and coverage
-    python benchmarks/mutation_sample.py --sample 60    # about 1-2 hours on 2 cores
+    python benchmarks/mutation_sample.py --sample 60
     python benchmarks/mutation_sample.py --list         # the candidate mutants, counted by module
 
 Why Cosmic Ray (not mutmut): the test ranks fork from a fork server that imported zeroshard once

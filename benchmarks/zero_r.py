@@ -14,7 +14,7 @@ solved for the budget (the bytes are linear in depth), then trained at that dept
 confirm the first fits and the second does not. On CPU "device" is zeroshard's accounting: what is
 not in the host buffers of P_a+cpu.
 
-    python benchmarks/zero_r.py            # about 3 minutes on 2 cores
+    python benchmarks/zero_r.py
     python benchmarks/zero_r.py --quick    # smoke test
 """
 from __future__ import annotations
