@@ -200,27 +200,39 @@ def test_a_write_into_a_placeholder_is_refused_by_name(one_process_group, stage,
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("how", ["assign", "half", "inside gathered_parameters"])
+@pytest.mark.parametrize("how", ["assign", "half", "inside gathered_parameters", "new Parameter",
+                                 "load_state_dict(assign=True) inside"])
 def test_a_replaced_parameter_tensor_is_refused_by_name(one_process_group, stage, how):
     """`p.data = t` (or model.half()) after initialize() leaves the parameter computing with a tensor
     zeroshard never reads: at stages 0-2 the forward used it while the flat buffer trained on and
     the checkpoint kept the old values; at stage 3 the next gather undid it. Silent before (the
     version counter does not see it); now refused by name at the next gather, free or step, before
-    the optimizer touches anything, and undone, so that training goes on from a whole engine."""
+    the optimizer touches anything, and undone, so that training goes on from a whole engine. So is
+    a new Parameter set in the model in its place (`module.weight = nn.Parameter(t)`, or
+    load_state_dict(assign=True), transformers' habit): it computed and took gradients unseen, and
+    an export held the old values."""
     torch.manual_seed(0)
     engine = zeroshard.initialize(TinyGPT(), _sgd, {"zero_optimization": {"stage": stage}})
     x, y = batches(1, 2)[0]
     engine.backward(loss_fn(engine(x), y))
     engine.step()
     before = [f.owned_values().clone() for f in engine.flats]
-    match = "blocks.1.up.weight: the parameter's tensor was replaced after initialize"
-    with pytest.raises(RuntimeError, match=match if how != "half" else "tensor was replaced"):
+    match = {"half": "tensor was replaced", "new Parameter": "blocks.1.up.weight: a new Parameter was set",
+             "load_state_dict(assign=True) inside": "a new Parameter was set in the model after initialize"}
+    with pytest.raises(RuntimeError, match=match.get(how, "blocks.1.up.weight: the parameter's tensor was "
+                                                          "replaced after initialize")):
         if how == "inside gathered_parameters":
             with engine.gathered_parameters(modifier_rank=0) as model:
                 model.blocks[1].up.weight.data = torch.zeros_like(model.blocks[1].up.weight)
+        elif how == "load_state_dict(assign=True) inside":
+            with engine.gathered_parameters(modifier_rank=0) as model:
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                model.load_state_dict({**state, "blocks.1.up.weight": torch.full((64, 16), 7.0)}, assign=True)
         else:
             if how == "assign":
                 engine.module.blocks[1].up.weight.data = torch.full((64, 16), 7.0)
+            elif how == "new Parameter":
+                engine.module.blocks[1].up.weight = torch.nn.Parameter(torch.full((64, 16), 7.0))
             else:
                 engine.module.half()
             engine.backward(loss_fn(engine(x).float(), y))

@@ -138,6 +138,8 @@ def _train(engine, rank: int, fault: str, steps: int = 4, directory: str = "") -
                 engine.load_checkpoint(os.path.join(directory, "ckpt"))
     if fault == "export_at_end" and rank == 0:  # the habit `if rank == 0: save` at a script's end,
         engine.full_state_dict()                 # while rank 1's script ends
+    if fault == "save_16bit_at_end" and rank == 0:  # DeepSpeed's export, as habit has it
+        engine.save_16bit_model(directory)
     if fault == "forward_at_end" and rank == 0:
         with torch.no_grad():
             engine(x)
@@ -315,6 +317,7 @@ def test_parameters_written_on_rank_0_alone_are_named(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("fault,where", [("export_at_end", "full_state_dict() is collective"),
+                                         ("save_16bit_at_end", "save_16bit_model() is collective"),
                                          ("forward_at_end", "rank 0: ")])
 def test_a_peer_that_exited_is_named_at_once(tmp_path, fault: str, where: str) -> None:
     """Rank 0 alone calls a collective at the script's end, and rank 1's script ends: its exit hook

@@ -296,3 +296,27 @@ def test_one_rank_rounds_gradients_through_the_communication_dtype():
     """With one rank no collective runs (the mean is the gradient itself), but a gradient reduced
     in bf16 is still rounded to bf16, exactly as a real reduction would leave it."""
     spawn(_one_rank_rounds_through_the_wire_dtype, 1)
+
+
+def test_state_buffers_follow_the_compute_dtype_and_constants_keep_theirs(one_process_group):
+    """bf16: a buffer in the state_dict (running statistics) is converted with the parameters; a
+    non-persistent one, a constant the module computed for itself, keeps its dtype. A LLaMA's
+    rotary frequencies in bf16 put position 4,000's angles up to 0.7 radians off; kept in fp32 the
+    engine's rotary cos/sin equal the fp32 model's, as under autocast."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=8192))
+    model.register_buffer("running", torch.ones(3))  # state: converted
+    reference = model.model.rotary_emb
+    x, positions = torch.zeros(1, 1, 32), torch.arange(4000, 4096)[None]
+    cos_fp32, sin_fp32 = (t.clone() for t in reference(x, positions))
+    engine = zeroshard.initialize(model, _sgd, {"bf16": {"enabled": True}})
+    assert engine.module.running.dtype == torch.bfloat16
+    rotary = engine.module.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and rotary.original_inv_freq.dtype == torch.float32
+    cos, sin = rotary(x.bfloat16(), positions)
+    assert cos.dtype == torch.bfloat16  # (transformers casts its output to the activations')
+    assert (cos.float() - cos_fp32).abs().max() < 0.01 and (sin.float() - sin_fp32).abs().max() < 0.01

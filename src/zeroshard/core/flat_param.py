@@ -30,7 +30,7 @@ from ..offload.host import Copier, HostCopies, master_goes_up
 from ..parallel.dtensor import TpSpec, laid_out, local_of, local_view, point, spec_of
 from .flat_grad import FlatGrad
 from .partition import Slot, build_layout
-from .placeholders import InPlaceWrites, Placeholders
+from .placeholders import Home, InPlaceWrites, Placeholders
 from .policy import Buckets, StagePolicy
 from .precision import Precision
 
@@ -89,9 +89,9 @@ class FlatParam(FlatGrad):
         self.gather_behind_forward = False  # stages 1-2 with defer_param_gather: set by the engine
         self.pipeline: Any = None  # the engine's PipelinedUpdate (pipeline.py), if it pipelines
         self._placeholder = Placeholders(self.full.dtype, self.full.device)  # a write into one is refused
+        self.homes: list[list[Home]] = []  # where the model holds each parameter (units.build_units)
         # Each parameter's view of `full`, made once: `full` keeps one storage, resized in place by
-        # reshard() and start_unshard(), so the views stay valid (stage 3 points parameters at them each
-        # unshard).
+        # reshard() and start_unshard(), so the views stay valid (stage 3 points parameters at them).
         self._views = [local_view(self.full[slot.span], slot.shape, spec)
                        for slot, spec in zip(self.layout.slots, self.specs)]
         self._point_params_at_full()
@@ -150,9 +150,9 @@ class FlatParam(FlatGrad):
             self._placeholder.refuse_lost(self.params, self.layout.slots)
 
     def refuse_replaced(self) -> None:
-        """No parameter was replaced, nor a placeholder written (a replaced one is pointed back)."""
+        """No parameter was replaced, in the model or its tensor, nor a placeholder written."""
         views = self._views if self.state is ParamState.UNSHARDED else None
-        self._placeholder.refuse_replaced(self.params, self.specs, views, self.layout.slots)
+        self._placeholder.refuse_replaced(self.params, self.specs, views, self.layout.slots, self.homes)
 
     def _set_state(self, new: ParamState) -> None:
         self.state = move(self.state, new, _PARAM_MOVES, "a flat parameter's storage")

@@ -150,7 +150,8 @@ def guard_load_state_dict(unit: Unit) -> None:
                                f"zeroshard.initialize: {why}. Load the weights before initialize(), use "
                                f"engine.load_checkpoint(), or load inside `with "
                                f"engine.gathered_parameters(modifier_rank=0):` (rank 0's values go to "
-                               f"every rank and into the training state)")
+                               f"every rank and into the training state; in 16-bit precision rounded to "
+                               f"the compute dtype)")
     for m in _modules_holding(unit, only_sharded=False):
         m.register_load_state_dict_pre_hook(refuse)
 

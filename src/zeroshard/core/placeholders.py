@@ -21,7 +21,10 @@ makes sure every rank made one (engine.step's gate).
 Nor does the counter see a parameter's tensor replaced (`p.data = t`, `model.half()` or `.to()` after
 initialize): the parameter then computes with a tensor zeroshard never reads, trained apart from the
 shards or not at all, and the next gather would silently undo it. So every gather and free first
-checks that each parameter still holds what it was pointed at (`Placeholders.refuse_replaced`).
+checks that each parameter still holds what it was pointed at (`Placeholders.refuse_replaced`), and
+that the model still holds each parameter where it did (its `Home`s): a new Parameter set in its
+place (`module.weight = nn.Parameter(t)`, `load_state_dict(assign=True)`) would compute and take
+gradients that zeroshard never sees, while it trains and saves the one it was given.
 """
 from __future__ import annotations
 
@@ -30,6 +33,33 @@ from torch import nn
 
 from ..parallel.dtensor import TpSpec, local_of, point
 from .partition import Slot
+
+Home = tuple[nn.Module, str, str]  # (the module holding a parameter, its attribute, its full name)
+
+
+def homes_of(root: nn.Module, names: tuple[str, ...]) -> list[Home]:
+    """Where `root` holds a parameter under each of its names (several for a tied one)."""
+    return [(root.get_submodule(prefix), attr, name) for name in names
+            for prefix, _, attr in [name.rpartition(".")]]
+
+
+def refuse_rehomed(params: list[nn.Parameter], homes: list[list[Home]]) -> None:
+    """Each parameter is still the one its module holds; a new one set in its place is put back,
+    then refused by name."""
+    moved = [name for p, places in zip(params, homes) for m, attr, name in places
+             if m._parameters.get(attr) is not p]
+    if not moved:
+        return
+    for p, places in zip(params, homes):
+        for m, attr, _ in places:
+            m._parameters[attr] = p
+    raise RuntimeError(
+        f"{_names(moved)}: a new Parameter was set in the model after initialize() (`module.weight = "
+        f"nn.Parameter(t)`, load_state_dict(assign=True)), so it would compute and take gradients that "
+        f"zeroshard never sees, while it trains and saves the one it was given; the original is put "
+        f"back. Write values in place instead, inside `with engine.gathered_parameters(modifier_rank=0):` "
+        f"(p.copy_(new) under torch.no_grad(), or load_state_dict without assign), or change the model "
+        f"before initialize()")
 
 
 class Placeholders:
@@ -49,10 +79,12 @@ class Placeholders:
         self.versions = [p._version for p in params]
 
     def refuse_replaced(self, params: list[nn.Parameter], specs: list[TpSpec | None],
-                        views: list[torch.Tensor] | None, slots: list[Slot]) -> None:
-        """Each parameter still computes with what it was pointed at: its view of the flat buffer
-        (`views`, while gathered), or else this placeholder, unwritten (check_untouched). A replaced
-        one is pointed back before the refusal, so the engine stays whole for a retry."""
+                        views: list[torch.Tensor] | None, slots: list[Slot], homes: list[list[Home]]) -> None:
+        """Each parameter is still the model's (refuse_rehomed) and computes with what it was pointed
+        at: its view of the flat buffer (`views`, while gathered), or else this placeholder, unwritten
+        (check_untouched). A replaced one is pointed back before the refusal, so the engine stays
+        whole for a retry."""
+        refuse_rehomed(params, homes)
         expected = views or [self.empty] * len(params)
         # By memory and dtype (a replacement is new memory, but empty ones share address 0: an empty
         # placeholder cast by `model.half()` differs in dtype only). This runs at every gather and

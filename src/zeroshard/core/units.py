@@ -26,6 +26,7 @@ from ..parallel.dtensor import split_over_tp
 from .flat_param import FlatParam, ParamState
 from .guards import (EDITS_MOVES, MODEL_PATCHES, Edits, _eager, gather_root_for_its_parts,
                      guard_load_state_dict, guard_state_dict, refuse_if_engine_dropped)
+from .placeholders import homes_of
 from .policy import StagePolicy
 
 logger = logging.getLogger("zeroshard")
@@ -107,7 +108,10 @@ def build_units(module: nn.Module, unit_modules: list[str] | None, group_of: dic
             # replicated ones on one.
             key = (group_of.get(id(p), -1), split_over_tp(p))
             by_group.setdefault(key, []).append((names, p))
-        flats = [new_flat(members, group) for (group, _), members in sorted(by_group.items())]
+        groups = sorted(by_group.items())
+        flats = [new_flat(members, group) for (group, _), members in groups]
+        for flat, (_, members) in zip(flats, groups):  # where the model holds them: kept there
+            flat.homes = [homes_of(module, names) for names, _ in members]
         if flats:
             units.append(Unit(name, module.get_submodule(name), flats))
     for u, unit in enumerate(units):  # what fingerprints and error messages call each buffer

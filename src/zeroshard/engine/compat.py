@@ -157,6 +157,7 @@ class EngineCompat:
         dtype = self.config.dtype(None)
         frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False)  # tied names too
                   if not p.requires_grad}
+        self.comm.watch.gate("save_16bit_model()")  # called on rank 0 alone: named as this call
         state = self.full_state_dict(rank0_only=True)
         if state:
             cast: dict[int, torch.Tensor] = {}  # by the source tensor: tied names share it

@@ -169,7 +169,9 @@ class EngineState:
         """Collective. Inside, engine.module's parameters hold their full values at every stage (at
         stage 3 the whole model is gathered at once, in the compute dtype): read weights outside
         forward, or, with modifier_rank, change them in place on that rank; on exit its changes go
-        to every rank and into the training state (fp32 masters included). Yields the module. A
+        to every rank and into the training state (fp32 masters included; in 16-bit precision the
+        values inside are the compute copies, so a write reaches the masters rounded to 16 bits:
+        load exact fp32 weights before initialize()). Yields the module. A
         forward inside uses the gathered weights and issues no collective, so one rank may run it
         alone (rank 0 generating). As DeepSpeed's GatheredParameters, FSDP's summon_full_params, but
         always of every parameter: DeepSpeed's positional `params` is refused by name."""

@@ -177,6 +177,7 @@ class ZeroTrainer(Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
+        self.engine.comm.watch.gate("save_model()")  # called on one rank alone: named as this call
         self._save(output_dir, state_dict=self.engine.full_state_dict(rank0_only=True))  # only 0 writes
         config = getattr(self.model, "config", None)
         if self.args.should_save and hasattr(config, "save_pretrained"):
