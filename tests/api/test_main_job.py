@@ -84,6 +84,17 @@ def test_train_takes_the_config_unless_a_flag_is_given(tmp_path):
     out = zeroshard("train", "--steps", "4", "--resume", "--out", str(tmp_path / "b")).stdout
     assert f"--config {config} --stage 2 --precision fp32" in out and \
         "ZeRO stage 2, 2 ranks on cpu (gloo), fp32 SGD" in out, out
+    # The run's own config file edited since (another learning rate): refused by name, not trained
+    # on unseen; given again with --config, it is the user's choice and trains on.
+    trained = config.read_text()
+    config.write_text(trained.replace('"lr": 0.1', '"lr": 0.2'))
+    resumed = ("--steps", "6", "--resume", "--out", str(tmp_path / "b"))
+    done = zeroshard_here("train", "--device", "cpu", *resumed)
+    assert done.returncode == 2 and f"the run's --config {config} was edited since the run trained with " \
+        "it (optimizer.params.lr: 0.1 -> 0.2)" in done.stderr, done.stderr
+    zeroshard("train", *resumed, "--config", str(config))
+    assert open(tmp_path / "b" / "checkpoints" / "latest").read() == "step6"
+    config.write_text(trained)
     # The same command again (no --resume): a new run, the earlier run's checkpoints kept aside.
     earlier = _train_losses(str(tmp_path / "a"))
     out = zeroshard("train", *common, "--out", str(tmp_path / "a")).stdout

@@ -301,6 +301,8 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
     try:  # fail here, in one process, rather than in every rank
         defaults_from_config(args)
+        if args.config:  # as read now: saved with the run's checkpoints, so a resume can tell an edit
+            args.config_contents = zeroshard.Config.read(args.config)
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds", "compare")}
         train_args = TrainArgs(**options)
         _say_heads(train_args)

@@ -65,7 +65,7 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """--resume continues the run as it was trained: each of its settings this command does not give
     is the run's own (saved with its checkpoint); given ones win. Both are printed, so a resumed run
     never changes stage or precision unseen."""
-    from .restart import LATEST, checkpoints_of
+    from .restart import LATEST, checkpoints_of, refuse_edited_config
     checkpoints = checkpoints_of(args.out)
     if not (args.resume and os.path.isfile(os.path.join(checkpoints, LATEST))):
         return  # (check_steps_beyond_checkpoint names a --resume with nothing to resume)
@@ -89,6 +89,8 @@ def resume_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if "config" in taken and not os.path.isfile(args.config):
         parser.error(f"--resume: the run in --out {args.out} was configured by --config {args.config}, "
                      f"which is not there now: give its config again with --config")
+    if "config" in taken:
+        refuse_edited_config(parser, args.config, saved.get("config_contents"))
     if taken:
         print(f"--resume: the run's own settings: {' '.join(_flag(n, getattr(args, n)) for n in taken)}")
     if kept:

@@ -8,6 +8,8 @@ Invariants:
   same --out are never picked up; none of this run's yet: it starts again from step 0. `--resume`
   resumes from `latest` whatever run wrote it (the user asked for it).
 - Rank 0 decides and every rank follows: all ranks load the same checkpoint directory.
+- A checkpoint carries the config's keys as the run read them: `--resume` refuses the run's own
+  config file edited since (refuse_edited_config), which would change the resumed run unseen.
 - Resumption is exact: the batches are a function of the step, and the checkpoint holds the weights,
   the optimizer, the loss scaler and every rank's RNG, so a resumed run ends bit-identical to an
   uninterrupted one.
@@ -17,6 +19,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -193,3 +196,34 @@ def report_line(resumed: Resumed) -> str | None:
     took = f", {resumed.restart_s:.1f} s from the failure to the first step after resuming" \
         if resumed.restart_s is not None else ""
     return f"restarts: {resumed.restarts}; resumed from step {resumed.step}, steps lost: {lost}{took}"
+
+
+def refuse_edited_config(parser: argparse.ArgumentParser, path: str, trained: dict | None) -> None:
+    """The run's own config file, edited since the run trained with it, would change the resumed run
+    unseen (another accumulation, learning rate or stage): refused, naming what changed. (A run
+    saved before its config's keys were kept has nothing to compare.)"""
+    if not isinstance(trained, dict):
+        return
+    try:
+        now = zeroshard.Config.read(path)
+    except (OSError, ValueError) as e:
+        parser.error(f"--resume: the run's --config {path} cannot be read now: {e}")
+    was, is_ = _flat(trained), _flat(now)
+    changed = [f"{k}: {was.get(k, '(none)')} -> {is_.get(k, '(none)')}" for k in sorted(set(was) | set(is_))
+               if was.get(k, _MISSING) != is_.get(k, _MISSING)]
+    if changed:
+        parser.error(f"--resume: the run's --config {path} was edited since the run trained with it "
+                     f"({'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}); restore it to "
+                     f"continue the run as it was trained, or give --config {path} to resume with it as "
+                     f"it is now")
+
+
+_MISSING = object()
+
+
+def _flat(raw: dict, prefix: str = "") -> dict:
+    """A config's keys as dotted paths: zero_optimization.stage, optimizer.params.lr, ..."""
+    out: dict = {}
+    for k, v in raw.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out

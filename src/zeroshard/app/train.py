@@ -8,6 +8,7 @@ last checkpoint (`save_every`), exactly: see restart.py.
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import statistics
@@ -47,6 +48,7 @@ class TrainArgs:
     precision: str = "fp32"
     data: list[str] = field(default_factory=list)
     config: str | None = None    # a DeepSpeed-style JSON; the fields here (as the CLI resolved them) win
+    config_contents: dict | None = None  # its keys as read at launch: what the run trained with
     offload_optimizer: str | None = None  # "none", "cpu" or "nvme"; None: as the config says
     offload_param: str | None = None
     nvme_path: str | None = None  # where "nvme" offload writes its files; None: as the config says
@@ -67,7 +69,8 @@ class TrainArgs:
     quiet: bool = False          # compare: no progress bar, no report
 
     def engine_config(self) -> dict[str, Any]:
-        raw = zeroshard.Config.read(self.config) if self.config else {}
+        raw = copy.deepcopy(self.config_contents) if self.config_contents is not None else \
+            zeroshard.Config.read(self.config) if self.config else {}
         raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": self.stage}
         for key in ("offload_optimizer", "offload_param"):  # given on the command line: they win
             if self.ddp:  # compare's baseline: plain torch takes the config's recipe, offloading nothing
