@@ -412,3 +412,27 @@ def test_a_save_with_gradients_not_yet_stepped_is_refused(one_process_group, tmp
         engine.step()
     assert engine.global_steps == 1
     engine.save_checkpoint(str(tmp_path))  # the cycle ended: nothing pending
+
+
+def test_a_resumed_scalar_goes_where_the_loading_optimizer_keeps_it():
+    """Adam's `step` is saved wherever the saving run kept it: on the CPU from a CPU, offloaded or
+    unfused run. A fused (or capturable) group keeps it beside its parameters, in fp32, and a fused
+    kernel on the GPU reads it there: resumed as saved, it got a host pointer. As torch's own
+    load_state_dict: a fused group's step goes to the master's device, an unfused one's stays on the
+    CPU, and any other scalar tensor goes to the master's device and dtype. (The master on the meta
+    device stands in for a GPU's.)"""
+    from types import SimpleNamespace
+
+    from zeroshard.checkpoint.load import _fresh_state
+
+    master = torch.empty(6, device="meta")
+    flat = SimpleNamespace(master=master, opt_param=torch.nn.Parameter(master), group=0, copier=None)
+    meta = {"elementwise": ["exp_avg"], "scalars": {0: {"step": torch.tensor(7.0, dtype=torch.float64),
+                                                         "mu_product": torch.tensor(0.5), "count": 3}}}
+    for fused, step_device in ((True, "meta"), (False, "cpu")):
+        optimizer = SimpleNamespace(param_groups=[{"params": [flat.opt_param], "fused": fused}], state={})
+        _fresh_state(meta, flat, optimizer)
+        state = optimizer.state[flat.opt_param]
+        assert state["step"].device.type == step_device and state["count"] == 3, state
+        assert state["step"].dtype == (torch.float32 if fused else torch.float64)
+        assert state["mu_product"].device.type == "meta" and state["exp_avg"].shape == (6,)

@@ -173,3 +173,37 @@ def test_a_model_with_no_block_to_checkpoint_is_told(one_process_group, caplog):
     assert "the model has no blocks to checkpoint" in caplog.text
     engine.backward(engine(torch.ones(2, 4)).sum())
     assert engine.memory_stats()["checkpointed_activations"] == 0
+
+
+def test_host_checkpoints_prefetch_only_chunks_not_yet_restored(monkeypatch):
+    """P_a+cpu on CUDA copies the next recompute's chunk back while a block recomputes. With blocks
+    that keep two inputs each, the chunk just before a block's second input is its own first one,
+    restored already: it was copied again and never taken, one device copy leaked per block and
+    step, and keyed by an id that a later chunk reuses, it could come back as that chunk's values.
+    Here the CUDA branch runs on the CPU (a device that says it is cuda, chunks that say they are
+    pinned): every restore returns its own values and nothing is left on the way back."""
+    from types import SimpleNamespace
+
+    from zeroshard.parallel.activations import CheckpointStore
+
+    class Cuda:
+        type = "cuda"
+
+    cfg = SimpleNamespace(partition_activations=False, cpu_checkpointing=True,
+                          contiguous_memory_optimization=False, number_checkpoints=None)
+    store = CheckpointStore(cfg, SimpleNamespace(tp_size=1, tp_rank=0, device=torch.device("cpu")))
+    store.device = Cuda()
+    store._allocate = lambda numel, dtype: torch.empty(numel, dtype=dtype)
+    copies = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: copies.append(self) or self.clone()
+                        if a and isinstance(a[0], Cuda) else to(self, *a, **k))
+    for step in range(3):
+        kept = [store.keep(torch.full((4,), 10.0 * step + i)) for i in range(4)]  # 2 blocks x 2 inputs
+        copies.clear()
+        for block in (1, 0):  # backward: the blocks in reverse, each block's inputs in order
+            for chunk in kept[2 * block:2 * block + 2]:
+                assert torch.equal(store.restore(chunk, torch.Size([4])), chunk), step
+        assert len(copies) == 4 and not store._ahead, (step, len(copies), store._ahead)  # each once
+        del kept, chunk

@@ -169,15 +169,25 @@ def _fresh_state(meta: dict[str, Any], flat: FlatParam, optimizer: torch.optim.O
     for key in meta["elementwise"]:  # in its file (the one the step streams) when the master is in one
         state[key] = store.state_tensor(flat.master, key).zero_() if on_disk else \
             torch.zeros_like(flat.master)
-    on_device = meta.get("scalars_on_device", {}).get(flat.group, [])  # absent: saved on CPU
+    group = next((g for g in optimizer.param_groups if any(p is flat.opt_param for p in g["params"])), {})
     for key, value in meta["scalars"].get(flat.group, {}).items():
-        copy = value.clone() if isinstance(value, torch.Tensor) else value
-        if key in on_device:  # where the optimizer keeps it (fused Adam: beside the params)
-            copy = copy.to(flat.master.device)
-        state[key] = copy
+        state[key] = _placed(key, value.clone(), group, flat.master) if isinstance(value, torch.Tensor) \
+            else value
     optimizer.state.pop(flat.opt_param, None)
     if state:
         optimizer.state[flat.opt_param] = state
+
+
+def _placed(key: str, value: torch.Tensor, group: dict, master: torch.Tensor) -> torch.Tensor:
+    """A scalar where the loading optimizer keeps it, whatever kept it at the save (another stage,
+    offload or device): torch's own rule at load_state_dict. Adam's `step` beside the parameters in
+    fp32 for a fused or capturable group (a fused kernel on the GPU reads it there; a host copy from
+    a CPU or offloaded run would be read as a device pointer), else as saved, on the CPU; any other
+    scalar tensor on the parameters' device, floating ones in their dtype."""
+    if key == "step":
+        fused = group.get("fused") or group.get("capturable")
+        return value.to(master.device, torch.float32) if fused else value.cpu()
+    return value.to(master.device, master.dtype if value.is_floating_point() else value.dtype)
 
 
 def _apply(meta: dict[str, Any], plan: _Plan, optimizer: torch.optim.Optimizer) -> None:

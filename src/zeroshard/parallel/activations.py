@@ -53,7 +53,10 @@ class CheckpointStore:
         self.peak = {"device": 0, "host": 0}
         self.gathers = {"calls": 0, "bytes": 0}  # the all-gathers before recomputes (paper convention)
         self._chunks: list[tuple[weakref.ref, int]] = []  # (kept chunk, bytes), oldest first
-        self._ahead: dict[int, torch.Tensor] = {}  # P_a+cpu on CUDA: chunks already on their way back
+        # P_a+cpu on CUDA: chunks already on their way back, by id with the chunk's weakref (an id is
+        # reused once its chunk dies), and the chunks restored so far (never fetched again)
+        self._ahead: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._restored: list[weakref.ref] = []
         self._buffer: torch.Tensor | None = None  # MD: one allocation for a forward's chunks
         self._used = 0
 
@@ -71,8 +74,13 @@ class CheckpointStore:
         chunk = math.ceil(flat.numel() / self.parts)
         lo, hi = min(self.index * chunk, flat.numel()), min((self.index + 1) * chunk, flat.numel())
         out = self._allocate(chunk, x.dtype)
-        out[:hi - lo].copy_(flat[lo:hi], non_blocking=out.is_pinned())
-        out[hi - lo:].zero_()
+        piece = flat[lo:hi]
+        if out.is_pinned() and hi - lo < chunk:
+            # The padding goes by the stream too: a host write into a pinned MD buffer now could land
+            # before a copy from its region, queued by the last backward's restore, has read it.
+            piece = torch.cat([piece, piece.new_zeros(chunk - (hi - lo))])
+        out[:piece.numel()].copy_(piece, non_blocking=out.is_pinned())
+        out[piece.numel():].zero_()
         self._chunks.append((weakref.ref(out), out.numel() * out.element_size()))
         now = self.held()[self.where]
         self.peak[self.where] = max(self.peak[self.where], now)
@@ -81,8 +89,8 @@ class CheckpointStore:
     @torch.compiler.disable
     def restore(self, part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The whole input again, on the compute device (collective over tp when partitioned)."""
-        local = self._ahead.pop(id(part), None)
-        if local is None:
+        ref, local = self._ahead.pop(id(part), (None, None))
+        if ref is None or ref() is not part:
             local = part.to(self.device, non_blocking=True)
         self._send_next_back(part)
         if self.parts == 1:
@@ -94,15 +102,20 @@ class CheckpointStore:
         return whole[:math.prod(shape)].view(shape)
 
     def _send_next_back(self, part: torch.Tensor) -> None:
-        """P_a+cpu on CUDA: start copying the chunk kept just before `part` (the next recompute's,
-        backward running in reverse) to the device, so it arrives while this block recomputes."""
+        """P_a+cpu on CUDA: start copying the nearest chunk kept before `part` and not yet restored
+        (the next recompute's: backward runs the blocks in reverse, a block's inputs in order) to
+        the device, so it arrives while this block recomputes. The chunk just before may be this
+        block's own first input, restored already: a copy of it would never be taken."""
         if not (part.is_pinned() and self.device.type == "cuda"):
             return
+        self._restored = [r for r in self._restored if r() is not None] + [weakref.ref(part)]
+        self._ahead = {k: v for k, v in self._ahead.items() if v[0]() is not None}  # (a failed backward's)
+        done = {id(r()) for r in self._restored}
         alive = [ref() for ref, _ in self._chunks]
         at = next((i for i, c in enumerate(alive) if c is part), 0)
-        before = alive[at - 1] if at > 0 else None
+        before = next((c for c in reversed(alive[:at]) if c is not None and id(c) not in done), None)
         if before is not None and id(before) not in self._ahead:
-            self._ahead[id(before)] = before.to(self.device, non_blocking=True)
+            self._ahead[id(before)] = (weakref.ref(before), before.to(self.device, non_blocking=True))
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         pin = self.where == "host" and self.device.type == "cuda"  # (a CPU run on a GPU machine: no)
