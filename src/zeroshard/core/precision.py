@@ -57,8 +57,8 @@ class Precision:
 def convert_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     """Floating buffers that are the module's state (in its state_dict: running statistics) follow
     the compute dtype, as module.to(dtype) would do. Non-persistent ones are constants a module
-    computed for itself, in the precision it chose: rotary frequencies, which in bf16 put a
-    position's angle off by up to 0.7 radians at 4,000 tokens. They stay as they are, as they do
+    computed for itself, in the precision it chose: rotary frequencies, which rounded to bf16 put
+    the cosine of a position near 4,000 off by up to 0.7. They stay as they are, as they do
     under autocast and in transformers' own bf16 loading (whose rotary code computes in fp32 and
     casts its output)."""
     for m in module.modules():
