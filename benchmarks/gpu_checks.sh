@@ -41,7 +41,8 @@ run_dir=$(mktemp -d)
 for name in ${PARTS:-plan_verify offload pytest_cuda}; do
     case $name in
     plan_verify) part plan_verify 240 "$py" benchmarks/plan_verify.py --gpu --steps 4 \
-        --json "$out/plan_verify.json" ;;
+        --json "$out/plan_verify.json"
+        "$py" benchmarks/plan_refit.py "$out/plan_verify.json" 2>&1 | tee -a "$out/summary.txt" ;;
     default_run) part default_run 120 bash -c "cd $run_dir && $py -m zeroshard train --nproc 1" ;;
     pytest_cuda) part pytest_cuda 480 "$py" -m pytest -v -p no:cacheprovider -m cuda --durations=8 tests ;;
     offload) part offload 180 "$py" benchmarks/offload.py --rounds 1 --warmup 2 --steps 4 \
