@@ -27,7 +27,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plan_verify import shape_and_cli  # noqa: E402  (the benchmark's own models)
 
-from zeroshard.app.plan_calibrate import GPU_SHAPES, SEQ, block_terms, fit, least_squares  # noqa: E402
+from zeroshard.app.plan_calibrate import GPU_SHAPES, SEQ, block_rows, fit, rates_of_fit  # noqa: E402
 from zeroshard.paper.plan_memory import Setup  # noqa: E402
 from zeroshard.paper.plan_time import Rates, step_time  # noqa: E402
 
@@ -39,19 +39,11 @@ def refit(calibration: dict, weighting: str) -> dict:
     timings, in the given weighting."""
     shapes = [tuple(b[:2]) for b in calibration["blocks"]]
     seq = SEQ["cuda" if shapes == GPU_SHAPES else "cpu"]
-    rows, seconds, matmuls = [], [], []
-    for width, tokens, measured, _ in calibration["blocks"]:
-        once, flops, elements, params = block_terms(width, tokens, seq)
-        rows.append([once, elements, params])
-        seconds.append(measured)
-        matmuls.append(flops / calibration["matmul"])
+    rows, seconds, matmuls = block_rows([b[:3] for b in calibration["blocks"]], calibration["matmul"], seq)
     if weighting == "whole":
-        c = fit(rows, seconds, matmuls)
-    else:
-        left = [max(s - m, 1e-6) for s, m in zip(seconds, matmuls)]
-        c = least_squares([[x / r for x in row] for row, r in zip(rows, left)], [1.0] * len(rows))
-    inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]
-    return {"layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1]}
+        return rates_of_fit(fit(rows, seconds, matmuls))
+    # (fit with nothing known is least squares in the relative error of what it is given)
+    return rates_of_fit(fit(rows, [max(s - m, 1e-6) for s, m in zip(seconds, matmuls)]))
 
 
 def predicted(row: dict, rates: dict, nproc: int, folder: str) -> float:

@@ -95,7 +95,7 @@ def this_machine(precision: str, nproc: int, folder: str, model: str = "medium")
     """This machine's Hardware as `zeroshard plan` sees it for `model`: calibrated (afresh the first
     time in a run, with the engine's reference runs, in the model's own family for a Hugging Face
     one: a shared machine's rates drift, and a run compares its predictions with what it measures
-    now), with the engine's reference."""
+    now), with the engine's reference; and the calibration's figures."""
     import torch
 
     family = HF.get(model)
@@ -103,20 +103,18 @@ def this_machine(precision: str, nproc: int, folder: str, model: str = "medium")
     referenced_again = again or (precision, nproc, model) not in MEASURED
     MEASURED.update({(precision, nproc), (precision, nproc, model)})
     figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available(), again)
-    return with_engine(local_hardware(nproc, figures, folder)[0], precision, referenced_again, family)
+    hw = with_engine(local_hardware(nproc, figures, folder)[0], precision, referenced_again, family)
+    return hw, figures
 
 
 def run_case(case: tuple, nproc: int, steps: int, folder: str, seq: int = SEQ) -> dict:
     model, stage, precision, opt, par, ckpt, micro, acc = case
     shape, cli = shape_and_cli(model, folder, folder, steps, seq)
-    hw = this_machine(precision, nproc, folder, model)
+    hw, figures = this_machine(precision, nproc, folder, model)
     setup = Setup(stage, precision, opt, par, ckpt, 1, micro, acc, seq)
     plan = weigh(shape, setup, hw)
     result = verify(cli, shape, hw, [plan], micro * acc * nproc)[0]
     # the calibration as measured (its block timings and fit too), to refit a miss from the JSON alone
-    import torch
-
-    figures, _ = calibrate(precision, nproc, folder, torch.cuda.is_available())
     return {"model": model, **result, "calibration": figures}
 
 
@@ -134,7 +132,7 @@ def top_three(nproc: int, steps: int, folder: str, rounds: int) -> None:
     on all three alike, where three runs one after the other would each meet their own): is the
     recommended one the fastest by the medians?"""
     shape, cli = shape_and_cli("medium", folder, folder, steps)
-    hw = this_machine("bf16", nproc, folder)
+    hw, _ = this_machine("bf16", nproc, folder)
     best = [p for p in plan(shape, hw, 8, SEQ, "bf16", [1]) if p.fits][:3]
     runs = [verify(cli, shape, hw, best, 8) for _ in range(rounds)]
     medians = []

@@ -233,9 +233,8 @@ def trained(one_process_group, tmp_path_factory):
     return engine, str(directory)
 
 
-AREAS = ["format", "shapes", "starts", "elementwise", "trainable", "scalars", "scalars_on_device", "buffers",
-         "param_groups", "extra", "extra.global_steps", "extra.scaler", "extra.lr_scheduler",
-         "extra.state_dict_keys", ""]
+AREAS = ["format", "shapes", "starts", "elementwise", "trainable", "scalars", "buffers", "param_groups",
+         "extra", "extra.global_steps", "extra.scaler", "extra.lr_scheduler", "extra.state_dict_keys", ""]
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2, 2 ** 40), st.integers(), st.floats(),
                  st.text(max_size=3),
                  st.lists(st.integers(-1, 3000), max_size=3), st.tuples(st.integers(-1, 64)),
@@ -310,7 +309,7 @@ def _mutate(meta: dict, mutation) -> dict:
 def _add(value, junk):
     """One more entry of the container's own kind (a copy of its last), or the junk."""
     if isinstance(value, dict) and not value:
-        return {0: junk}  # as group 0's entry (scalars, scalars_on_device)
+        return {0: junk}  # as group 0's entry (scalars)
     if isinstance(value, dict):
         key = junk if isinstance(junk, (str, int)) else "bogus"
         return {**value, key: copy.copy(list(value.values())[-1])}

@@ -108,26 +108,39 @@ def block_rates(dtype, device: str, sync) -> dict:
     from .gpt import Block, GPTConfig
 
     matmul = matmul_rate(dtype, device, sync)
-    rows, seconds, matmuls, shares, seq = [], [], [], [], SEQ[device]
+    measured, shares, seq = [], [], SEQ[device]
     for width, tokens in GPU_SHAPES if device == "cuda" else CPU_SHAPES:
         block = Block(GPTConfig(layers=1, width=width, heads=max(1, width // 64), seq_len=seq))
         block = block.to(device=device, dtype=dtype)
         x = torch.randn(max(1, tokens // seq), seq, width, device=device, dtype=dtype, requires_grad=True)
-        once, flops, elements, params = block_terms(width, tokens, seq)
         plain = timed(lambda: (block(x).float().sum().backward(), sync()), 5)
         rerun = timed(lambda: (checkpoint(block, x, use_reentrant=True).float().sum().backward(), sync()), 5)
-        seconds.append(plain)
-        matmuls.append(flops / matmul)
-        rows.append([once, elements, params])
+        measured.append((width, tokens, plain))
         shares.append(rerun / plain - 1)
+    rows, seconds, matmuls = block_rows(measured, matmul, seq)
     c = fit(rows, seconds, matmuls)
     fitted = [m + sum(k * x for k, x in zip(c, r)) for m, r in zip(matmuls, rows)]
-    inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]  # a rate whose term was dropped: 0, not counted
-    shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
-    return {"matmul": matmul, "layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1],
-            "recompute": max(statistics.median(shares), 0.0),
-            "blocks": [[w, t, s, f] for (w, t), s, f in zip(shapes, seconds, fitted)],
+    return {"matmul": matmul, **rates_of_fit(c), "recompute": max(statistics.median(shares), 0.0),
+            "blocks": [[w, t, s, f] for (w, t, s), f in zip(measured, fitted)],
             "fit_worst": max(abs(f / s - 1) for s, f in zip(seconds, fitted))}
+
+
+def block_rows(measured: list, matmul: float, seq: int) -> tuple[list, list, list]:
+    """The fit's inputs from (width, tokens, seconds) timings: each shape's regressors beside the
+    matmuls (1, activation elements, parameters), its time, and its matmuls' time at `matmul`."""
+    rows, seconds, matmuls = [], [], []
+    for width, tokens, plain in measured:
+        once, flops, elements, params = block_terms(width, tokens, seq)
+        rows.append([once, elements, params])
+        seconds.append(plain)
+        matmuls.append(flops / matmul)
+    return rows, seconds, matmuls
+
+
+def rates_of_fit(c: list[float]) -> dict:
+    """The fitted coefficients as rates: a term dropped (0) is a rate of 0, not counted."""
+    inverse = [1 / v if v > 0 else 0.0 for v in c[1:]]
+    return {"layer_fixed": c[0], "elementwise": inverse[0], "weights": inverse[1]}
 
 
 def adam_rate(device: str, fused: bool | None) -> float:

@@ -93,16 +93,13 @@ def _check_shapes(meta: dict[str, Any]) -> None:
 
 
 def _check_scalars(meta: dict[str, Any]) -> None:
-    scalars, on_device = meta["scalars"], meta.get("scalars_on_device", {})
-    _need(isinstance(scalars, dict) and isinstance(on_device, dict), "scalars are not a dict")
+    scalars = meta["scalars"]
+    _need(isinstance(scalars, dict), "scalars are not a dict")
     for group, state in scalars.items():
         _need(_is_int(group) and isinstance(state, dict), f"scalars of group {group!r}")
         for key, value in state.items():
             _need(isinstance(key, str) and key not in meta["elementwise"] and _is_number(value),
                   f"scalar optimizer state {key!r} = {value!r} of group {group}")
-    _need(all(_is_int(g) and _strings(keys) and all(isinstance(scalars.get(g, {}).get(k), torch.Tensor)
-                                                    for k in keys) for g, keys in on_device.items()),
-          f"scalars_on_device {on_device!r} names scalars that are not tensors")
 
 
 def _check_extra(extra: Any) -> None:

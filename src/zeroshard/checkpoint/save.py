@@ -90,7 +90,6 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
         state[f"rng_cuda/{comm.rank}"] = torch.cuda.get_rng_state(comm.device)
     elementwise: set[str] = set()
     scalars: dict[int, dict[str, Any]] = {}
-    on_device: dict[int, list[str]] = {}  # scalars kept beside the parameters (fused/capturable Adam)
     for flat in flats if writes_shards else []:
         owned = slice(*flat.range)  # each rank writes only its own shard, at every stage
         values = flat.owned_values().detach()
@@ -109,15 +108,12 @@ def save(directory: str, tag: str, flats: list[FlatParam], optimizer: torch.opti
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     raise CheckpointError(f"optimizer state '{key}' is neither elementwise nor a scalar; "
                                           f"it cannot be saved shard by shard")
-                if isinstance(value, torch.Tensor):  # saved on the CPU: loadable without a GPU
-                    if value.device.type != "cpu":
-                        on_device.setdefault(flat.group, []).append(key)
-                    value = value.detach().cpu()
+                if isinstance(value, torch.Tensor):  # on the CPU: loadable without a GPU (a load
+                    value = value.detach().cpu()      # puts it where the loading optimizer keeps it)
                 scalars.setdefault(flat.group, {})[key] = value
     pieces = comm.all_gather_objects(sorted(k for k in state if k.startswith("param/")))
     if comm.rank == 0:
-        state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device,
-                                           pieces))
+        state["meta"] = pickle.dumps(_meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces))
         state.update({f"buffer/{name}": b.detach().cpu() for name, b in buffers.items()})
     try:
         dcp.save(state, checkpoint_id=tmp, process_group=comm.group)
@@ -162,7 +158,7 @@ def _is_elementwise(value: Any, flat: FlatParam) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == flat.master.shape
 
 
-def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pieces) -> dict[str, Any]:
+def _meta(flats, optimizer, buffers, extra, elementwise, scalars, pieces) -> dict[str, Any]:
     lengths: dict[str, set[int]] = {}
     for keys in pieces:  # a replicated parameter's pieces come from every tp rank: once each
         for key in keys:
@@ -174,7 +170,7 @@ def _meta(flats, optimizer, buffers, extra, elementwise, scalars, on_device, pie
     return {"format": checkpoint_meta.FORMAT, "shapes": whole_shapes(flats),
             "starts": {name: sorted(found) for name, found in lengths.items()}, "dims": dims,
             "elementwise": sorted(elementwise), "trainable": trainable, "scalars": scalars,
-            "scalars_on_device": on_device, "buffers": list(buffers),
+            "buffers": list(buffers),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
             "group_members": checkpoint_meta.group_members(flats, len(optimizer.param_groups)),
             "optimizer": type(optimizer).__name__, "extra": extra}
