@@ -300,9 +300,10 @@ def _run_training(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if getattr(args, "tp", 1) < 1 or args.nproc % getattr(args, "tp", 1):
         parser.error(f"--tp {args.tp} must be >= 1 and divide --nproc {args.nproc} (ranks = dp x tp)")
     try:  # fail here, in one process, rather than in every rank
+        # read once, here: the run's ranks build from these keys, saved with its checkpoints (so a
+        # resume can tell an edit of the file since)
+        args.config_contents = zeroshard.Config.read(args.config) if args.config else None
         defaults_from_config(args)
-        if args.config:  # as read now: saved with the run's checkpoints, so a resume can tell an edit
-            args.config_contents = zeroshard.Config.read(args.config)
         options = {k: v for k, v in vars(args).items() if k not in ("command", "stages", "rounds", "compare")}
         train_args = TrainArgs(**options)
         _say_heads(train_args)

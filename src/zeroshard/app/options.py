@@ -256,7 +256,9 @@ def defaults_from_config(args: argparse.Namespace) -> None:
     """Options not given on the command line take the config's values, then the usual defaults; a
     --batch-size that contradicts the config's batch sizes is an error naming both."""
     import zeroshard
-    raw = zeroshard.Config.read(args.config) if args.config else {}
+    raw = getattr(args, "config_contents", None)  # (as the command read it)
+    if raw is None:
+        raw = zeroshard.Config.read(args.config) if args.config else {}
     zero = raw.get("zero_optimization", {})  # not a dict: Config.load below names the error
     if getattr(args, "stage", 0) is None:
         args.stage = zero.get("stage", 3) if isinstance(zero, dict) else 3  # validated just below
